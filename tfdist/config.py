@@ -1,0 +1,155 @@
+"""Plain, frozen configuration for one run, validated when it is built.
+
+Validation happens here, before TensorFlow is imported or any device is touched,
+so a user mistake costs milliseconds and reads as one paragraph. Checks that need
+the device count (batch divisibility) live in `tfdist.parallel`, still before any
+model is built.
+"""
+
+import dataclasses
+import os
+import tempfile
+from typing import Optional, Tuple
+
+from tfdist.errors import UsageError, require
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
+TRAINERS = ("loop", "fit")
+AUTO = -1
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    bound = ">= 0" if allow_zero else "> 0"
+    require(ok, f"--{name} must be {bound}, got {value}.")
+
+
+def _one_of(name: str, value, choices) -> None:
+    require(value in choices,
+            f"Unknown --{name} {value!r}. Valid choices: {', '.join(choices)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"
+    data_dir: Optional[str] = None        # tfds data dir; default $TFDS_DATA_DIR or ~/tensorflow_datasets
+    seq_len: int = 64                     # text: characters per window
+    synthetic_shape: Tuple[int, ...] = (28, 28, 1)
+    synthetic_classes: int = 10
+    synthetic_examples: int = 8192
+    shuffle_buffer: int = 0               # 0: the whole training split (capped, see pipeline)
+    prefetch: int = AUTO                  # batches to prefetch; -1 lets tf.data tune it
+
+    def __post_init__(self):
+        from tfdist import data
+        data.validate_name(self.name)
+        _positive("seq_len", self.seq_len)
+        _positive("synthetic_classes", self.synthetic_classes)
+        _positive("synthetic_examples", self.synthetic_examples)
+        _positive("shuffle_buffer", self.shuffle_buffer, allow_zero=True)
+        require(self.prefetch >= AUTO, f"--prefetch must be >= -1, got {self.prefetch}.")
+        require(len(self.synthetic_shape) > 0 and all(d > 0 for d in self.synthetic_shape),
+                f"--synthetic_shape must be positive sizes, got {self.synthetic_shape}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "mlp"
+    hidden_sizes: Tuple[int, ...] = (100, 50)   # mlp
+    filters: Tuple[int, ...] = (32, 64)         # cnn conv widths; resnet stage widths
+    num_layers: int = 2                         # transformer blocks
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 256
+
+    def __post_init__(self):
+        from tfdist import models
+        models.MODELS.validate(self.name)
+        for size in self.hidden_sizes + self.filters:
+            _positive("hidden_sizes/filters", size)
+        for name in ("num_layers", "d_model", "num_heads", "d_ff"):
+            _positive(name, getattr(self, name))
+        require(self.d_model % self.num_heads == 0,
+                f"--d_model ({self.d_model}) must be divisible by --num_heads ({self.num_heads}).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "mirrored"
+    simulate_devices: int = AUTO      # -1: 2 logical CPUs when there is no GPU; 0: don't split
+    num_gpus: int = AUTO              # -1: all visible GPUs
+    cross_device_ops: str = "auto"
+    num_packs: int = 1
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    global_batch_size: int = 64
+    train_steps: int = 0              # 0: use epochs
+    epochs: int = 0                   # 0 with train_steps 0: DEFAULT_EPOCHS
+    learning_rate: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    model_dir: Optional[str] = None
+    results_json: Optional[str] = None
+    eval_every: int = 0               # steps; 0: evaluate once at the end
+    log_every: int = 50               # steps between log lines and TensorBoard scalars
+    profile_steps: Optional[Tuple[int, int]] = None
+    mixed_precision: Optional[str] = None
+    jit_compile: bool = False
+    trainer: str = "loop"             # "loop": tfdist's loop; "fit": Keras model.fit
+
+    def __post_init__(self):
+        from tfdist import parallel
+        parallel.MODES.validate(self.strategy)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("cross_device_ops", self.cross_device_ops, CROSS_DEVICE_OPS)
+        _one_of("trainer", self.trainer, TRAINERS)
+        if self.mixed_precision is not None:
+            _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        require(self.simulate_devices >= AUTO,
+                f"--simulate_devices must be >= 0 (or -1 for auto), got {self.simulate_devices}.")
+        require(self.num_gpus >= AUTO, f"--num_gpus must be >= 0 (or -1 for all), got {self.num_gpus}.")
+        _positive("num_packs", self.num_packs)
+        _positive("global_batch_size", self.global_batch_size)
+        _positive("train_steps", self.train_steps, allow_zero=True)
+        _positive("epochs", self.epochs, allow_zero=True)
+        require(not (self.train_steps and self.epochs),
+                f"Give --train_steps ({self.train_steps}) or --epochs ({self.epochs}), not both.")
+        require(self.learning_rate > 0, f"--learning_rate must be > 0, got {self.learning_rate}.")
+        _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("log_every", self.log_every)
+        self._validate_profile_steps()
+        if self.model_dir:
+            check_writable_dir(self.model_dir, "--model_dir")
+        if self.results_json:
+            check_writable_dir(os.path.dirname(os.path.abspath(self.results_json)), "--results_json")
+
+    def _validate_profile_steps(self):
+        if self.profile_steps is None:
+            return
+        start, stop = self.profile_steps
+        require(1 <= start <= stop,
+                f"--profile_steps must be START,STOP with 1 <= START <= STOP, got {start},{stop}.")
+
+
+DEFAULT_EPOCHS = 20
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Creates `path` if needed and proves it is writable, or raises UsageError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tfdist-write-check"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path!r} is not a writable directory: "
+                         f"{error.strerror or error}.") from None
+
+
+def parse_ints(text: str, flag: str) -> Tuple[int, ...]:
+    """Parses "100,50" into (100, 50) with a clear error."""
+    try:
+        return tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--{flag} must be comma-separated integers, got {text!r}.") from None

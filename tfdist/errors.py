@@ -1,0 +1,16 @@
+"""User-facing errors.
+
+A `UsageError` is a mistake the user can fix (a bad flag, a missing dataset, a
+batch that does not divide). Entry points print its message as one paragraph and
+exit with status 2 instead of showing a TensorFlow stack trace.
+"""
+
+
+class UsageError(ValueError):
+    """A problem with the user's input, explained in the message."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raises UsageError(message) unless condition holds."""
+    if not condition:
+        raise UsageError(message)

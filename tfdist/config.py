@@ -87,7 +87,7 @@ class RunConfig:
     global_batch_size: int = 64
     train_steps: int = 0              # 0: use epochs
     epochs: int = 0                   # 0 with train_steps 0: DEFAULT_EPOCHS
-    learning_rate: float = 1e-3
+    learning_rate: Optional[float] = None   # None: DEFAULT_LEARNING_RATES[optimizer]
     optimizer: str = "adam"
     seed: int = 0
     model_dir: Optional[str] = None
@@ -116,7 +116,11 @@ class RunConfig:
         _positive("epochs", self.epochs, allow_zero=True)
         require(not (self.train_steps and self.epochs),
                 f"Give --train_steps ({self.train_steps}) or --epochs ({self.epochs}), not both.")
+        if self.learning_rate is None:
+            object.__setattr__(self, "learning_rate", DEFAULT_LEARNING_RATES[self.optimizer])
         require(self.learning_rate > 0, f"--learning_rate must be > 0, got {self.learning_rate}.")
+        require(self.profile_steps is None or self.model_dir,
+                "--profile_steps needs --model_dir (the trace is written under it).")
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
         self._validate_profile_steps()
@@ -134,6 +138,7 @@ class RunConfig:
 
 
 DEFAULT_EPOCHS = 20
+DEFAULT_LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
 
 def check_writable_dir(path: str, flag: str) -> None:

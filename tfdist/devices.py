@@ -20,8 +20,13 @@ def physical_gpus():
     return tf.config.list_physical_devices("GPU")
 
 
-def simulate_cpus(count: int) -> None:
-    """Splits the host CPU into `count` logical devices (idempotent for the same count)."""
+def simulate_cpus(count: int) -> List[str]:
+    """Splits the host CPU into `count` logical devices and returns their names.
+
+    After TensorFlow initialised its devices this still works when at least
+    `count` logical CPUs exist (the first `count` are used: how one test process
+    runs 2- and 4-device modes); with fewer it is a UsageError.
+    """
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
     config = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
@@ -29,13 +34,13 @@ def simulate_cpus(count: int) -> None:
         tf.config.set_logical_device_configuration(cpu, config)
     except RuntimeError:
         existing = len(tf.config.list_logical_devices("CPU"))
-        if existing == count:
-            return
-        raise UsageError(
-            f"Cannot simulate {count} CPU devices: TensorFlow already initialised "
-            f"its devices with {existing} CPU device(s). Ask for simulated devices "
-            f"(--simulate_devices / tfdist.devices.simulate_cpus) before any "
-            f"TensorFlow op runs, or start a new process.") from None
+        if existing < count:
+            raise UsageError(
+                f"Cannot simulate {count} CPU devices: TensorFlow already initialised "
+                f"its devices with {existing} CPU device(s). Ask for simulated devices "
+                f"(--simulate_devices / tfdist.devices.simulate_cpus) before any "
+                f"TensorFlow op runs, or start a new process.") from None
+    return [f"/cpu:{i}" for i in range(count)]
 
 
 def select_gpus(num_gpus: int) -> int:
@@ -64,7 +69,4 @@ def configure(simulate_devices: int = AUTO, num_gpus: int = AUTO) -> List[str]:
     if used_gpus:
         return [f"/gpu:{i}" for i in range(used_gpus)]
     count = AUTO_SIMULATED_CPUS if simulate_devices == AUTO else simulate_devices
-    if count > 0:
-        simulate_cpus(count)
-        return [f"/cpu:{i}" for i in range(count)]
-    return ["/cpu:0"]
+    return simulate_cpus(count) if count > 0 else ["/cpu:0"]

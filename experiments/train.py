@@ -1,0 +1,115 @@
+r"""Train a Keras model with any tfdist strategy. Flags in, results out.
+
+    python -m experiments.train                      # the default experiment
+    python -m experiments.train --strategy=mirrored --simulate_devices=4 \
+        --model=cnn --optimizer=momentum --train_steps=200 --results_json=/tmp/r.json
+
+This file only parses flags and calls tfdist.run; the library never reads FLAGS.
+"""
+
+import logging
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+
+from absl import app, flags  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist import config as cfg  # noqa: E402
+from tfdist.errors import UsageError  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+# Mode and devices.
+flags.DEFINE_string("strategy", "mirrored", "default, one_device, mirrored, ...")
+flags.DEFINE_integer("simulate_devices", int(os.environ.get("TFDIST_SIMULATE_DEVICES", cfg.AUTO)),
+                     "Split the CPU into N logical devices (0: don't; -1: 2 when no GPU). "
+                     "Default from $TFDIST_SIMULATE_DEVICES, which `tfdist launch` sets.")
+flags.DEFINE_integer("num_gpus", cfg.AUTO, "GPUs to use (-1: all visible).")
+flags.DEFINE_string("cross_device_ops", "auto",
+                    "mirrored all-reduce: auto, nccl, hierarchical_copy, reduction_to_one_device.")
+flags.DEFINE_integer("num_packs", 1, "Gradient packs for nccl / hierarchical_copy.")
+# Model.
+flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer.")
+flags.DEFINE_string("hidden_sizes", "100,50", "mlp hidden widths.")
+flags.DEFINE_string("filters", "32,64", "cnn / resnet widths.")
+flags.DEFINE_integer("num_layers", 2, "transformer blocks.")
+flags.DEFINE_integer("d_model", 64, "transformer width.")
+flags.DEFINE_integer("num_heads", 4, "transformer attention heads.")
+flags.DEFINE_integer("d_ff", 256, "transformer MLP width.")
+# Data.
+flags.DEFINE_string("dataset", "digits", "digits, text, synthetic, or tfds:NAME.")
+flags.DEFINE_string("data_dir", None, "tensorflow-datasets data dir.")
+flags.DEFINE_integer("seq_len", 64, "text: characters per example.")
+flags.DEFINE_string("synthetic_shape", "28,28,1", "synthetic: example shape.")
+flags.DEFINE_integer("synthetic_classes", 10, "synthetic: classes.")
+flags.DEFINE_integer("synthetic_examples", 8192, "synthetic: training examples.")
+flags.DEFINE_integer("shuffle_buffer", 0, "0: the whole training split.")
+# Training.
+flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all replicas.")
+flags.DEFINE_integer("train_steps", 0, "Steps to train (0: use --epochs).")
+flags.DEFINE_integer("epochs", 0, f"Epochs (0 with --train_steps=0: {cfg.DEFAULT_EPOCHS}).")
+flags.DEFINE_float("learning_rate", None, "Default per optimizer: "
+                   + ", ".join(f"{k} {v}" for k, v in cfg.DEFAULT_LEARNING_RATES.items()))
+flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam, adamw.")
+flags.DEFINE_integer("seed", 0, "Seeds weights and the data order.")
+flags.DEFINE_string("trainer", "loop", "loop (tfdist's) or fit (Keras model.fit).")
+flags.DEFINE_string("mixed_precision", None, "mixed_bfloat16 or mixed_float16 (off by default).")
+flags.DEFINE_bool("jit_compile", False, "XLA-compile the forward and backward pass.")
+# Outputs.
+flags.DEFINE_string("model_dir", None, "TensorBoard logs (and later checkpoints) go here.")
+flags.DEFINE_string("results_json", None, "Write the results JSON here.")
+flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: at the end only).")
+flags.DEFINE_integer("log_every", 50, "Steps between log lines and TensorBoard scalars.")
+flags.DEFINE_string("profile_steps", None, "START,STOP: profiler trace of those steps.")
+
+
+def config_from_flags() -> cfg.RunConfig:
+    profile = cfg.parse_ints(FLAGS.profile_steps, "profile_steps") if FLAGS.profile_steps else None
+    if profile is not None and len(profile) != 2:
+        raise UsageError(f"--profile_steps must be START,STOP, got {FLAGS.profile_steps!r}.")
+    return cfg.RunConfig(
+        strategy=FLAGS.strategy, simulate_devices=FLAGS.simulate_devices,
+        num_gpus=FLAGS.num_gpus, cross_device_ops=FLAGS.cross_device_ops,
+        num_packs=FLAGS.num_packs,
+        model=cfg.ModelConfig(
+            name=FLAGS.model, hidden_sizes=cfg.parse_ints(FLAGS.hidden_sizes, "hidden_sizes"),
+            filters=cfg.parse_ints(FLAGS.filters, "filters"), num_layers=FLAGS.num_layers,
+            d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, d_ff=FLAGS.d_ff),
+        data=cfg.DataConfig(
+            name=FLAGS.dataset, data_dir=FLAGS.data_dir, seq_len=FLAGS.seq_len,
+            synthetic_shape=cfg.parse_ints(FLAGS.synthetic_shape, "synthetic_shape"),
+            synthetic_classes=FLAGS.synthetic_classes,
+            synthetic_examples=FLAGS.synthetic_examples, shuffle_buffer=FLAGS.shuffle_buffer),
+        global_batch_size=FLAGS.global_batch_size, train_steps=FLAGS.train_steps,
+        epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
+        seed=FLAGS.seed, model_dir=FLAGS.model_dir, results_json=FLAGS.results_json,
+        eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
+        mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
+        trainer=FLAGS.trainer)
+
+
+def summary(results: dict) -> str:
+    accuracy = results["eval_accuracy"]
+    accuracy_text = "n/a" if accuracy is None else f"{accuracy:.2%}"
+    return (f"tfdist: {results['strategy']} x{results['num_replicas']} | {results['model']} on "
+            f"{results['dataset']} | {results['steps']} steps | final loss "
+            f"{results['final_loss']:.4f} | eval accuracy {accuracy_text} | "
+            f"{results['examples_per_sec']:.0f} examples/s | {results['train_seconds']:.1f} s")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    logging.getLogger("tfdist").setLevel(logging.INFO)
+    try:
+        results = tfdist.run(config_from_flags())
+    except UsageError as error:
+        print(f"tfdist: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    app.run(main)

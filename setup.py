@@ -1,0 +1,28 @@
+"""tfdist: distributed training for Keras 3 on TensorFlow.
+
+Version ranges are the ones tested (TF 2.21, Keras 3.15, tfds 4.9.10 on Python 3.11).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfdist",
+    version="0.1.0",
+    description="Data, tensor and pipeline parallelism for Keras 3 on TensorFlow, "
+                "each proven equal to one device.",
+    packages=find_packages(include=["tfdist", "tfdist.*", "experiments"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<3.16",
+        "tensorflow-datasets>=4.9.10,<4.10",
+        "absl-py>=2.1,<3",
+        "scikit-learn>=1.9,<2",   # the offline `digits` data ships inside it
+        "numpy>=2,<3",
+        "matplotlib>=3.9,<4",     # benchmark plots
+    ],
+    extras_require={
+        "test": ["pytest>=9,<10"],
+    },
+    entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
+)

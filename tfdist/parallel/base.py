@@ -1,0 +1,55 @@
+"""The Parallelism interface: everything the training loop needs from a mode.
+
+A mode decides where variables live (`scope`), how a dataset_fn becomes
+per-step inputs (`distribute`), how one training and one eval step run across
+its devices, and where the bytes of state ended up. The loop never asks which
+mode it runs.
+"""
+
+import abc
+import collections
+import contextlib
+from typing import Callable, Dict, Iterable, List
+
+from tfdist.errors import require
+
+
+class Parallelism(abc.ABC):
+    name: str
+    num_replicas: int          # how many ways each global batch is split
+    devices: List[str]
+    is_chief: bool = True      # the process that writes results, logs and checkpoints
+
+    def validate_global_batch(self, global_batch_size: int) -> None:
+        require(global_batch_size % self.num_replicas == 0,
+                f"--global_batch_size={global_batch_size} is not divisible by the "
+                f"{self.num_replicas} replicas of strategy '{self.name}' "
+                f"(devices: {', '.join(self.devices)}). Use a multiple of {self.num_replicas}.")
+
+    def scope(self):
+        """Context in which the model and optimizer variables are created."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def distribute(self, dataset_fn: Callable) -> Iterable:
+        """Turns dataset_fn(input_context) into an iterable of per-step inputs."""
+
+    @abc.abstractmethod
+    def make_train_step(self, model, optimizer, global_batch_size: int,
+                        jit_compile: bool) -> Callable:
+        """Returns step(iterator) -> the global-batch mean loss (a scalar tensor)."""
+
+    @abc.abstractmethod
+    def make_eval_step(self, model) -> Callable:
+        """Returns step(iterator) -> (weighted loss sum, weighted correct sum, weight sum)."""
+
+    @abc.abstractmethod
+    def param_bytes_per_device(self, variables) -> Dict[str, int]:
+        """Device name -> bytes of the given variables stored on it."""
+
+    def close(self) -> None:
+        """Releases what the mode holds (servers, temporary dirs)."""
+
+
+def add_bytes(totals: collections.Counter, device: str, tensor_like) -> None:
+    totals[device] += tensor_like.shape.num_elements() * tensor_like.dtype.size

@@ -1,0 +1,104 @@
+"""tf.distribute modes: default, one_device, mirrored (and the multi-worker peer).
+
+This is the one module that turns a strategy name into a tf.distribute strategy.
+All of them share `StrategyParallelism`: a step is `strategy.run` of the
+per-replica math in tfdist.train.step, and the replica losses are summed (each is
+already divided by the global batch).
+"""
+
+import collections
+from typing import Dict, List
+
+import tensorflow as tf
+
+from tfdist import devices
+from tfdist.errors import UsageError
+from tfdist.parallel.base import Parallelism, add_bytes
+from tfdist.train import step as step_math
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+class StrategyParallelism(Parallelism):
+    """Any tf.distribute strategy behind the Parallelism interface."""
+
+    def __init__(self, name: str, strategy: tf.distribute.Strategy, device_names: List[str]):
+        self.name = name
+        self.strategy = strategy
+        self.devices = device_names
+        self.num_replicas = strategy.num_replicas_in_sync
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def distribute(self, dataset_fn):
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        replica_step = step_math.make_replica_train_step(
+            model, optimizer, global_batch_size, jit_compile)
+
+        @tf.function
+        def train_step(iterator):
+            x, y = next(iterator)
+            losses = self.strategy.run(replica_step, args=(x, y))
+            return self.strategy.reduce(SUM, losses, axis=None)
+
+        return train_step
+
+    def make_eval_step(self, model):
+        replica_step = step_math.replica_eval_step(model)
+
+        @tf.function
+        def eval_step(iterator):
+            sums = self.strategy.run(replica_step, args=next(iterator))
+            return tuple(self.strategy.reduce(SUM, s, axis=None) for s in sums)
+
+        return eval_step
+
+    def param_bytes_per_device(self, variables) -> Dict[str, int]:
+        totals = collections.Counter()
+        for variable in variables:
+            backing = getattr(variable, "value", variable)  # Keras Variable -> tf variable
+            components = getattr(backing, "values", (backing,))  # a mirrored copy per device
+            for component in components:
+                add_bytes(totals, component.device, component)
+        return dict(totals)
+
+
+def build_default(config) -> StrategyParallelism:
+    """No distribution: TensorFlow's default strategy on the first device."""
+    local = devices.configure(config.simulate_devices, config.num_gpus)
+    return StrategyParallelism("default", tf.distribute.get_strategy(), local[:1])
+
+
+def build_one_device(config) -> StrategyParallelism:
+    local = devices.configure(config.simulate_devices, config.num_gpus)
+    return StrategyParallelism("one_device", tf.distribute.OneDeviceStrategy(local[0]), local[:1])
+
+
+def cross_device_ops(name: str, num_packs: int, device_names: List[str]):
+    """Builds the all-reduce implementation named by --cross_device_ops."""
+    on_gpus = all("gpu" in d.lower() for d in device_names)
+    if name == "auto":
+        name = "nccl" if on_gpus else "reduction_to_one_device"
+    if name in ("nccl", "hierarchical_copy") and not on_gpus:
+        raise UsageError(
+            f"--cross_device_ops={name} needs GPUs, but the devices are "
+            f"{', '.join(device_names)}. Use reduction_to_one_device (or auto) on CPUs.")
+    if name == "reduction_to_one_device":
+        if num_packs != 1:
+            raise UsageError(f"--num_packs={num_packs} only applies to nccl and "
+                             f"hierarchical_copy, not reduction_to_one_device.")
+        return tf.distribute.ReductionToOneDevice()
+    if name == "nccl":
+        return tf.distribute.NcclAllReduce(num_packs=num_packs)
+    return tf.distribute.HierarchicalCopyAllReduce(num_packs=num_packs)
+
+
+def build_mirrored(config) -> StrategyParallelism:
+    """Data parallelism over every local device (GPUs, or simulated CPUs)."""
+    local = devices.configure(config.simulate_devices, config.num_gpus)
+    ops = cross_device_ops(config.cross_device_ops, config.num_packs, local)
+    strategy = tf.distribute.MirroredStrategy(local, cross_device_ops=ops)
+    return StrategyParallelism("mirrored", strategy, local)

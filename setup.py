@@ -19,7 +19,9 @@ setup(
         "absl-py>=2.1,<3",
         "scikit-learn>=1.9,<2",   # the offline `digits` data ships inside it
         "numpy>=2,<3",
+        "tensorboard>=2.21,<2.22",  # tf.summary needs it; TF 2.21 no longer pulls it in
         "matplotlib>=3.9,<4",     # benchmark plots
+        "importlib_resources",    # tfds 4.9.10 imports it without declaring it (tensorflow/datasets#11212)
     ],
     extras_require={
         "test": ["pytest>=9,<10"],

@@ -7,7 +7,6 @@ r"""Train a Keras model with any tfdist strategy. Flags in, results out.
 This file only parses flags and calls tfdist.run; the library never reads FLAGS.
 """
 
-import logging
 import os
 import sys
 
@@ -18,6 +17,7 @@ from absl import app, flags  # noqa: E402
 import tfdist  # noqa: E402
 from tfdist import config as cfg  # noqa: E402
 from tfdist.errors import UsageError  # noqa: E402
+from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -102,7 +102,7 @@ def summary(results: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    logging.getLogger("tfdist").setLevel(logging.INFO)
+    progress.configure_logging()
     try:
         results = tfdist.run(config_from_flags())
     except UsageError as error:

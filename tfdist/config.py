@@ -119,8 +119,6 @@ class RunConfig:
         if self.learning_rate is None:
             object.__setattr__(self, "learning_rate", DEFAULT_LEARNING_RATES[self.optimizer])
         require(self.learning_rate > 0, f"--learning_rate must be > 0, got {self.learning_rate}.")
-        require(self.profile_steps is None or self.model_dir,
-                "--profile_steps needs --model_dir (the trace is written under it).")
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
         self._validate_profile_steps()
@@ -135,6 +133,7 @@ class RunConfig:
         start, stop = self.profile_steps
         require(1 <= start <= stop,
                 f"--profile_steps must be START,STOP with 1 <= START <= STOP, got {start},{stop}.")
+        require(self.model_dir, "--profile_steps needs --model_dir (the trace is written under it).")
 
 
 DEFAULT_EPOCHS = 20

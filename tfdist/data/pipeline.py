@@ -1,7 +1,7 @@
 """The one input pipeline every source goes through: shuffle, shard, batch, prefetch.
 
-The order of operations is the equivalence guarantee. The seeded shuffle runs on
-the whole source *before* sharding, so every input pipeline (one per worker)
+The order of operations is the equivalence guarantee. The seeded, stateless
+shuffle runs on the whole source *before* sharding, so every input pipeline (one per worker)
 computes the same global order. Pipeline p of P then keeps elements p, p+P, ...
 and batches them per replica. Global step t therefore trains on exactly the
 global-order elements [t*G, (t+1)*G) for a global batch G, however those are
@@ -21,10 +21,11 @@ import math
 
 import tensorflow as tf
 
-MAX_SHUFFLE_BUFFER = 100_000  # whole-split shuffles up to this many examples
+MAX_SHUFFLE_BUFFER = 100_000  # whole-split permutations up to this many examples
 
 
 def shuffle_buffer_size(source, config) -> int:
+    """Examples permuted together: --shuffle_buffer, or the whole split (capped)."""
     if config.shuffle_buffer:
         return config.shuffle_buffer
     return min(source.info.size("train"), MAX_SHUFFLE_BUFFER)
@@ -42,14 +43,37 @@ def _finish(dataset, input_context, global_batch_size, config):
     return dataset.prefetch(tf.data.AUTOTUNE if config.prefetch < 0 else config.prefetch)
 
 
+def shuffled_epoch(examples, block_size: int, seed: int, epoch):
+    """One epoch of `examples`, permuted within blocks of `block_size` (the whole
+    split by default), as a pure function of (seed, epoch, block).
+
+    Stateless on purpose: a Dataset.shuffle seed-generator advances with every new
+    iterator, so a restart, or Keras fit re-creating its iterator, would see another
+    order. This replays the same stream from any fresh iterator, on any worker.
+    """
+    def permute(block_index, block):
+        x, y = block
+        epoch_block = tf.cast(epoch, tf.int64) * 1_000_003 + block_index
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(tf.shape(y)[0]), seed=tf.stack([tf.constant(seed, tf.int64), epoch_block]))
+        return tf.gather(x, order), tf.gather(y, order)
+
+    return examples.batch(block_size).enumerate().map(permute).unbatch()
+
+
 def train_dataset_fn(source, global_batch_size: int, seed: int, config):
-    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever."""
-    buffer = shuffle_buffer_size(source, config)
+    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever.
+
+    Epoch e is the training split permuted by shuffled_epoch(seed, e); epochs follow
+    each other without a gap, so a global batch may span two epochs.
+    """
+    block_size = shuffle_buffer_size(source, config)
 
     def dataset_fn(input_context):
-        dataset = source.examples("train")
-        dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
-        return _finish(dataset.repeat(), input_context, global_batch_size, config)
+        examples = source.examples("train")
+        epochs = tf.data.Dataset.range(tf.int64.max).flat_map(
+            lambda epoch: shuffled_epoch(examples, block_size, seed, epoch))
+        return _finish(epochs, input_context, global_batch_size, config)
 
     return dataset_fn
 

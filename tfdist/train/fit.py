@@ -38,7 +38,7 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
         source, config.global_batch_size, config.seed, config.data)
     recorder = StepLosses()
     model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
-              callbacks=[recorder], verbose=0)
+              callbacks=[recorder], verbose=0, shuffle=False)
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
     rate = max(steps - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
     eval_loss, eval_accuracy = evaluate(parallel, parallel.make_eval_step(model), source, config)

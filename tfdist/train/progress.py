@@ -54,3 +54,16 @@ class Progress:
             if self.is_tty:
                 self.stream.write("\n")
             log.info(text)
+
+
+def configure_logging(level=logging.INFO) -> None:
+    """tfdist's own lines on stderr; TensorFlow's and tfds' chatter only from WARNING up."""
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tfdist %(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False

@@ -1,0 +1,270 @@
+"""The `tfdist` console script: one small handler per subcommand.
+
+    tfdist launch --workers N [--devices_per_worker K] [--max_restarts R] [--dtensor]
+                  [--dry_run] [--start_timeout S] [--host H] [--grace_period G] -- COMMAND...
+    tfdist tf-config --hosts HOST:PORT,... --index I [--chief] [--port P]
+    tfdist tf-config --slurm [--port P] [--chief]
+    tfdist doctor
+
+Subcommands live in SUBCOMMANDS (name -> Subcommand); each handler gets its own
+argv and imports what it needs lazily, so `tfdist tf-config` never pays for
+importing TensorFlow. A `UsageError` from any handler is printed as one
+paragraph on stderr and the exit status is 2.
+"""
+
+import argparse
+import dataclasses
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional, Sequence
+
+from tfdist import cluster
+from tfdist.errors import UsageError, require
+
+NVIDIA_SMI_TIMEOUT_SECONDS = 10
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError, so flag mistakes read like every other user error."""
+
+    def error(self, message):
+        raise UsageError(f"{message}. Usage: {' '.join(self.format_usage().split())}")
+
+
+# --------------------------------------------------------------------------- launch
+
+def launch_command(argv: List[str]) -> int:
+    from tfdist import launch
+    return launch.launch(argv)
+
+
+# --------------------------------------------------------------------------- tf-config
+
+def tf_config_command(argv: List[str]) -> int:
+    """Prints the TF_CONFIG JSON (one line) for one rank of a real cluster."""
+    parser = ArgumentParser(prog="tfdist tf-config", description=tf_config_command.__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hosts", help="HOST:PORT,... in rank order; Slurm-style ranges expand: "
+                                        "'train-[0-3].svc:2222'")
+    source.add_argument("--slurm", action="store_true",
+                        help="derive hosts and index from SLURM_* variables (run inside srun)")
+    parser.add_argument("--index", type=int, help="this process's rank (required with --hosts)")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"port for hosts given without one (--slurm default: {cluster.DEFAULT_PORT}; "
+                             f"several tasks on one node use PORT, PORT+1, ...)")
+    parser.add_argument("--chief", action="store_true",
+                        help="make the first host a 'chief' task (default: all 'worker', worker 0 is chief)")
+    args = parser.parse_args(argv)
+    hosts, index = _tf_config_hosts_and_index(args)
+    config = cluster.build_tf_config(hosts, index, chief=args.chief)
+    print(cluster.parse_tf_config(config).to_json())
+    return 0
+
+
+def _tf_config_hosts_and_index(args):
+    if args.slurm:
+        require(args.index is None, f"--index comes from SLURM_PROCID with --slurm; got --index {args.index}.")
+        task = cluster.from_slurm_env(os.environ, cluster.DEFAULT_PORT if args.port is None else args.port)
+        return task.hosts, task.index
+    require(args.index is not None, "--index is required with --hosts (this process's rank, 0-based).")
+    require(args.port is None or 1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}.")
+    return cluster.with_port(cluster.expand_hostlist(args.hosts), args.port), args.index
+
+
+# --------------------------------------------------------------------------- doctor
+
+DOCTOR_PACKAGES = (("Keras", "keras"), ("tensorflow-datasets", "tensorflow-datasets"), ("absl", "absl-py"))
+
+
+class Doctor:
+    """Prints one report section at a time; problems are collected, never raised."""
+
+    def __init__(self, out=sys.stdout):
+        self.out = out
+        self.problems: List[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+        self.line(f"  PROBLEM: {text}")
+
+    def run(self) -> int:
+        tf = self.versions()
+        if tf is not None:
+            self.devices(tf)
+            self.nccl(tf)
+        self.interconnect()
+        self.cluster_environment()
+        self.line()
+        if self.problems:
+            self.line(f"{len(self.problems)} problem(s) found.")
+            return 1
+        self.line("No problems found.")
+        return 0
+
+    def versions(self):
+        self.line("Versions")
+        self.line(f"  Python: {platform.python_version()} ({sys.executable})")
+        tf = None
+        try:
+            import tensorflow as tf
+            self.line(f"  TensorFlow: {tf.__version__}")
+        except Exception as error:   # any failure to import is what the doctor is for
+            self.problem(f"TensorFlow cannot be imported: {type(error).__name__}: {error}")
+        for label, distribution in DOCTOR_PACKAGES:
+            self.line(f"  {label}: {_installed_version(distribution)}")
+        return tf
+
+    def devices(self, tf) -> None:
+        self.line("Devices")
+        physical = tf.config.list_physical_devices()
+        for kind in sorted({device.device_type for device in physical}):
+            names = [device.name for device in physical if device.device_type == kind]
+            self.line(f"  physical {kind}: {len(names)} ({', '.join(names)})")
+        simulated = os.environ.get("TFDIST_SIMULATE_DEVICES")
+        if simulated is None:
+            self.line("  TFDIST_SIMULATE_DEVICES: not set")
+            return
+        if not simulated.strip().isdigit():
+            self.problem(f"TFDIST_SIMULATE_DEVICES must be an integer >= 0, got {simulated!r}.")
+            return
+        try:
+            if int(simulated) > 0:
+                from tfdist import devices
+                devices.simulate_cpus(int(simulated))
+            count = len(tf.config.list_logical_devices("CPU"))
+            self.line(f"  TFDIST_SIMULATE_DEVICES={simulated}: {count} logical CPU device(s)")
+        except UsageError as error:
+            self.problem(str(error))
+
+    def nccl(self, tf) -> None:
+        self.line("NCCL")
+        info = dict(tf.sysconfig.get_build_info())
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        if not tf.test.is_built_with_cuda():
+            self.line("  not available: this TensorFlow is built without CUDA "
+                      "(multi-worker all-reduce uses the RING collective over gRPC)")
+            return
+        built = f"CUDA {info.get('cuda_version', '?')}, cuDNN {info.get('cudnn_version', '?')}"
+        if gpus:
+            self.line(f"  available: TensorFlow built with {built}; {gpus} GPU(s) visible")
+        else:
+            self.line(f"  built in (TensorFlow built with {built}) but no GPU is visible")
+
+    def interconnect(self) -> None:
+        self.line("GPU interconnect")
+        if shutil.which("nvidia-smi") is None:
+            self.line("  nvidia-smi not found (no NVIDIA driver here): skipped")
+            return
+        try:
+            result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                    timeout=NVIDIA_SMI_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.problem(f"`nvidia-smi topo -m` did not answer within {NVIDIA_SMI_TIMEOUT_SECONDS} s.")
+            return
+        except OSError as error:
+            self.problem(f"`nvidia-smi topo -m` could not run: {error}")
+            return
+        text = (result.stdout or result.stderr).rstrip()
+        for row in text.splitlines():
+            self.line(f"  {row}")
+        if result.returncode:
+            self.problem(f"`nvidia-smi topo -m` exited with code {result.returncode}.")
+
+    def cluster_environment(self) -> None:
+        self.line("Cluster environment")
+        self.tf_config()
+        self.dtensor()
+        for name in ("TFDIST_RANK", "TFDIST_NUM_WORKERS", "TFDIST_RESTART_COUNT"):
+            if name in os.environ:
+                self.line(f"  {name}={os.environ[name]}")
+
+    def tf_config(self) -> None:
+        text = os.environ.get("TF_CONFIG")
+        if text is None:
+            self.line("  TF_CONFIG: not set (single-worker run; `tfdist launch` or `tfdist tf-config` sets it)")
+            return
+        try:
+            config = cluster.parse_tf_config(text)
+            role = "the chief" if config.is_chief else "not the chief"
+            self.line(f"  TF_CONFIG: valid; this is task {config.task_type}:{config.task_index} "
+                      f"({role}) of {config.num_workers} training worker(s): {config.cluster}")
+            cluster.check_own_port_free(config)
+            self.line(f"  own port: {config.address} is free (or not on this machine)")
+        except UsageError as error:
+            self.problem(str(error))
+
+    def dtensor(self) -> None:
+        try:
+            env = cluster.validate_dtensor_env(os.environ)
+        except UsageError as error:
+            self.problem(str(error))
+            return
+        if env is None:
+            self.line("  DTENSOR_*: not set (DTensor runs as a single client)")
+        else:
+            self.line(f"  DTENSOR_*: valid; client {env.client_id} of {env.num_clients}, "
+                      f"job {env.job_name!r}, jobs {env.jobs}")
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor_command(argv: List[str]) -> int:
+    """Prints versions, devices, NCCL, GPU interconnect and cluster variables; 1 if a problem is found."""
+    ArgumentParser(prog="tfdist doctor", description=doctor_command.__doc__).parse_args(argv)
+    return Doctor().run()
+
+
+# --------------------------------------------------------------------------- dispatch
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    summary: str
+    handler: Callable[[List[str]], int]   # gets the arguments after the subcommand name
+
+
+# Extension point: a subcommand is one entry here. The planned `tfdist plan` becomes
+#   "plan": Subcommand("estimate memory per device and recommend a layout", plan_command),
+# with plan_command importing tfdist.plan inside itself, like launch_command does.
+SUBCOMMANDS: Dict[str, Subcommand] = {
+    "launch": Subcommand("start N local workers with TF_CONFIG (the torchrun of TensorFlow)", launch_command),
+    "tf-config": Subcommand("print the TF_CONFIG JSON of one rank of a real cluster", tf_config_command),
+    "doctor": Subcommand("print versions, devices, NCCL, interconnect and cluster variables", doctor_command),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    rows = "\n".join(f"  {name:<{width}}  {command.summary}" for name, command in SUBCOMMANDS.items())
+    return (f"usage: tfdist SUBCOMMAND [ARGS...]\n\nSubcommands:\n{rows}\n\n"
+            f"`tfdist SUBCOMMAND --help` describes each one.")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    try:
+        require(name in SUBCOMMANDS,
+                f"Unknown subcommand {name!r}. Valid subcommands: {', '.join(SUBCOMMANDS)}.")
+        return SUBCOMMANDS[name].handler(rest)
+    except UsageError as error:
+        print(f"tfdist {name}: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

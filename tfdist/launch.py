@@ -1,0 +1,497 @@
+"""`tfdist launch`: start N local workers with their TF_CONFIG, the torchrun of TensorFlow.
+
+    tfdist launch --workers 2 --devices_per_worker 2 -- \\
+        python -m experiments.train --strategy=multi_worker_mirrored
+
+Every worker gets these environment variables:
+  TF_CONFIG              {"cluster": {"worker": [...N loopback host:port...]},
+                          "task": {"type": "worker", "index": RANK}}
+  TFDIST_RANK            RANK (0..N-1)
+  TFDIST_NUM_WORKERS     N
+  TFDIST_RESTART_COUNT   0 on the first attempt, then 1, 2, ... (--max_restarts)
+  TFDIST_SIMULATE_DEVICES  K, only with --devices_per_worker K (the training
+                         entrypoint's default for --simulate_devices)
+  DTENSOR_CLIENT_ID, DTENSOR_NUM_CLIENTS, DTENSOR_JOB_NAME, DTENSOR_JOBS
+                         only with --dtensor
+  PYTHONUNBUFFERED=1     unless already set, so a worker's last lines reach the
+                         launcher even when it is killed
+
+Chief: all tasks have type "worker" and worker 0 (TFDIST_RANK=0) is the chief,
+which is TensorFlow's rule for MultiWorkerMirroredStrategy when the cluster has
+no "chief" task; it is the worker that should write checkpoints and summaries.
+
+DTensor: DTENSOR_JOBS uses its own free ports, distinct from TF_CONFIG's. Both
+describe a gRPC server per process, and two servers cannot share a port, so a
+program that builds a MultiWorkerMirroredStrategy and initialises DTensor (or a
+library that reads TF_CONFIG behind its back) still starts.
+
+Each worker runs in its own process group; its output lines are prefixed with
+"[worker R] ". When a worker fails, the others get SIGTERM and, after
+--grace_period seconds, SIGKILL (to the whole group, so no orphan survives).
+SIGINT/SIGTERM sent to the launcher are forwarded to every worker; a second one
+kills them at once.
+
+Exit status: 0 when every worker succeeds; otherwise the first failing worker's
+exit code (128+N for a worker killed by signal N); 124 when --start_timeout
+expires; 128+N when the launcher got signal N and the workers still exited
+cleanly; 2 for a usage error (bad flags, a command that cannot be found).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Set
+
+from tfdist import cluster
+from tfdist.errors import UsageError, require
+
+LOG_PREFIX = "[tfdist launch] "
+POLL_SECONDS = 0.05          # how often the launcher looks at its workers
+PORT_PROBE_SECONDS = 0.5     # how often --start_timeout probes worker ports
+REAP_TIMEOUT_SECONDS = 5.0   # after SIGKILL, and for the output pipes to drain
+START_TIMEOUT_EXIT_CODE = 124  # the code `timeout` uses
+
+_output_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------- options
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    workers: int
+    command: tuple
+    devices_per_worker: Optional[int] = None
+    max_restarts: int = 0
+    dtensor: bool = False
+    dry_run: bool = False
+    start_timeout: float = 0.0   # 0: do not wait for the workers' ports to open
+    host: str = "127.0.0.1"
+    grace_period: float = 5.0
+
+    def __post_init__(self):
+        require(self.workers >= 1, f"--workers must be >= 1, got {self.workers}.")
+        require(self.devices_per_worker is None or self.devices_per_worker >= 0,
+                f"--devices_per_worker must be >= 0, got {self.devices_per_worker}.")
+        require(self.max_restarts >= 0, f"--max_restarts must be >= 0, got {self.max_restarts}.")
+        require(self.start_timeout >= 0, f"--start_timeout must be >= 0 seconds, got {self.start_timeout}.")
+        require(self.grace_period > 0, f"--grace_period must be > 0 seconds, got {self.grace_period}.")
+        require(len(self.command) > 0,
+                "Give the command each worker runs after --, e.g. "
+                "tfdist launch --workers 2 -- python -m experiments.train --strategy=multi_worker_mirrored.")
+        cluster.split_address(cluster.join_address(self.host, 1), "--host")
+
+
+def parse_args(argv: Sequence[str]) -> LaunchOptions:
+    from tfdist.cli import ArgumentParser   # cli imports this module lazily, so no cycle
+    argv = list(argv)
+    flags, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = ArgumentParser(prog="tfdist launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, required=True, help="number of worker processes (N >= 1)")
+    parser.add_argument("--devices_per_worker", type=int, default=None,
+                        help="sets TFDIST_SIMULATE_DEVICES=K: simulated CPU devices per worker")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="restart the whole group with fresh ports up to R times after a failure")
+    parser.add_argument("--dtensor", action="store_true", help="also set DTENSOR_* for multi-client DTensor")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print each worker's environment as JSON lines and start nothing")
+    parser.add_argument("--start_timeout", type=float, default=0.0,
+                        help="fail when a worker has not opened its TF_CONFIG/DTensor port after S seconds "
+                             "(0: no check; the port opens when the worker creates its strategy)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the workers listen on (default 127.0.0.1)")
+    parser.add_argument("--grace_period", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when ending workers")
+    args, extra = parser.parse_known_args(flags)
+    require(not extra, f"Unexpected arguments {' '.join(extra)!r}. Put the command the workers run after --, "
+                       f"e.g. tfdist launch --workers 2 -- python train.py.")
+    return LaunchOptions(workers=args.workers, command=tuple(command),
+                         devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
+                         dtensor=args.dtensor, dry_run=args.dry_run, start_timeout=args.start_timeout,
+                         host=args.host, grace_period=args.grace_period)
+
+
+def resolve_command(command: Sequence[str]) -> List[str]:
+    """Finds the executable up front: a typo should fail in milliseconds, before any worker starts."""
+    program = command[0]
+    if os.sep in program:
+        require(os.path.isfile(program) and os.access(program, os.X_OK),
+                f"Cannot start worker command {program!r}: no such executable file.")
+        return list(command)
+    found = shutil.which(program)
+    require(found is not None,
+            f"Cannot start worker command {program!r}: not found on PATH. "
+            f"Check the spelling, or give the full path.")
+    return [found, *command[1:]]
+
+
+# --------------------------------------------------------------------------- ports and environments
+
+def pick_free_ports(host: str, count: int, exclude: Set[int] = frozenset()) -> List[int]:
+    """`count` distinct ports that are free on every interface, none of them in `exclude`.
+
+    All probe sockets stay open until the end so the kernel cannot hand out one
+    port twice; they are closed before the workers start (never connected, so
+    no TIME_WAIT), which leaves a small race with other programs, as in torchrun.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    _check_bindable(host, family)
+    probes, ports = [], []
+    try:
+        while len(ports) < count:
+            require(len(probes) < count + len(exclude) + 1000, f"Could not find {count} free ports on {host}.")
+            probe = socket.socket(family, socket.SOCK_STREAM)
+            probes.append(probe)
+            probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            port = probe.getsockname()[1]
+            if port not in exclude:
+                ports.append(port)
+    finally:
+        for probe in probes:
+            probe.close()
+    return ports
+
+
+def _check_bindable(host: str, family: int) -> None:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+    except OSError as error:
+        raise UsageError(f"--host {host!r} is not an address of this machine: {error.strerror or error}. "
+                         f"Use 127.0.0.1 (the default) or one of this machine's addresses.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """What one attempt starts: per-rank extra environment and the ports each rank should open."""
+    environments: List[Dict[str, str]]
+    ports: List[List[int]]
+
+    @property
+    def all_ports(self) -> Set[int]:
+        return {port for ports in self.ports for port in ports}
+
+
+def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int] = frozenset()) -> GroupPlan:
+    n = options.workers
+    ports = pick_free_ports(options.host, 2 * n if options.dtensor else n, exclude)
+    tf_addresses = [cluster.join_address(options.host, port) for port in ports[:n]]
+    dtensor_addresses = [cluster.join_address(options.host, port) for port in ports[n:]]
+    environments = []
+    for rank in range(n):
+        env = {"TF_CONFIG": json.dumps(cluster.build_tf_config(tf_addresses, rank)),
+               "TFDIST_RANK": str(rank),
+               "TFDIST_NUM_WORKERS": str(n),
+               "TFDIST_RESTART_COUNT": str(restart_count)}
+        if options.devices_per_worker is not None:
+            env["TFDIST_SIMULATE_DEVICES"] = str(options.devices_per_worker)
+        if options.dtensor:
+            env.update(cluster.dtensor_env(dtensor_addresses, rank))
+        environments.append(env)
+    rank_ports = [[ports[rank]] + ([ports[n + rank]] if options.dtensor else []) for rank in range(n)]
+    return GroupPlan(environments, rank_ports)
+
+
+def print_dry_run(options: LaunchOptions, plan: GroupPlan, out) -> None:
+    for rank, env in enumerate(plan.environments):
+        shown = {"rank": rank, "command": list(options.command)}
+        shown.update(env)
+        shown["TF_CONFIG"] = json.loads(env["TF_CONFIG"])   # an object reads better than an escaped string
+        out.write(json.dumps(shown) + "\n")
+    out.flush()
+
+
+# --------------------------------------------------------------------------- output
+
+def log(message: str) -> None:
+    _write(sys.stderr, LOG_PREFIX + message + "\n")
+
+
+def _write(stream, text: str) -> None:
+    with _output_lock:
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):   # our own stdout closed: keep draining the worker anyway
+            pass
+
+
+def _pump(pipe, stream, prefix: str) -> None:
+    """Copies a worker pipe to `stream` line by line, each line prefixed, until EOF."""
+    with pipe:
+        for line in iter(pipe.readline, b""):
+            text = line.decode("utf-8", "replace")
+            _write(stream, prefix + (text if text.endswith("\n") else text + "\n"))
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal"
+        return f"was killed by {name} ({-code})"
+    return f"exited with code {code}"
+
+
+def shell_exit_code(code: int) -> int:
+    """Popen's -N (killed by signal N) as a shell reports it: 128+N."""
+    return 128 - code if code < 0 else code
+
+
+# --------------------------------------------------------------------------- workers
+
+class Worker:
+    """One worker process in its own process group, with its output pumped through."""
+
+    def __init__(self, rank: int, command: List[str], env: Dict[str, str]):
+        self.rank = rank
+        self.exit_code: Optional[int] = None
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+        prefix = f"[worker {rank}] "
+        self.readers = [threading.Thread(target=_pump, args=(pipe, stream, prefix), daemon=True)
+                        for pipe, stream in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))]
+        for reader in self.readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> Optional[int]:
+        """The exit code once the worker has exited, else None.
+
+        Uses WNOWAIT so the worker is not reaped yet: its zombie keeps the
+        process-group id reserved, so a later killpg (to end orphans it left
+        behind) can never hit an unrelated group that reused the id.
+        """
+        if self.exit_code is None and self.process.returncode is not None:   # already reaped
+            self.exit_code = self.process.returncode
+        if self.exit_code is None:
+            if not hasattr(os, "waitid"):   # macOS before Python 3.13: reap now, accept the tiny risk
+                self.exit_code = self.process.poll()
+                return self.exit_code
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None and info.si_pid:
+                self.exit_code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        return self.exit_code
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def reap(self, deadline: float) -> None:
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log(f"worker {self.rank} (pid {self.pid}) did not die after SIGKILL; leaving it.")
+        for reader in self.readers:
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    exit_code: int                 # shell convention: 0, 1..255
+    message: str = ""              # why the group failed, for the log
+    rank: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class SignalForwarder:
+    """Records SIGINT/SIGTERM for the launcher's loop, which forwards them to the workers.
+
+    The handler only records: a signal can land while workers are still being
+    started, and the loop then forwards it to all of them, late starters included.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: List[int] = []
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        self.received.append(signum)
+
+
+class WorkerGroup:
+    """One attempt: start every worker, watch them, end them all."""
+
+    def __init__(self, options: LaunchOptions, command: List[str], plan: GroupPlan, signals: SignalForwarder):
+        self.options, self.command, self.plan, self.signals = options, command, plan, signals
+        self.workers: List[Worker] = []
+        self.failures: List[Worker] = []      # in the order their failure was seen
+        self._first_signal = self._forwarded = len(signals.received)   # index of this group's first signal
+
+    def run(self) -> Outcome:
+        try:
+            self._start()
+            outcome = self._watch()
+        finally:
+            self._stop()
+        if self.signals.received:
+            return self._interrupted_outcome()
+        return outcome
+
+    def _start(self) -> None:
+        for rank, extra in enumerate(self.plan.environments):
+            env = dict(os.environ, **extra)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            try:
+                self.workers.append(Worker(rank, self.command, env))
+            except OSError as error:   # e.g. the file vanished or lost its exec bit since resolve_command
+                raise UsageError(f"Cannot start worker command {self.command[0]!r}: "
+                                 f"{error.strerror or error}.") from None
+
+    def _collect_exits(self) -> None:
+        for worker in self.workers:
+            if worker.poll() not in (None, 0) and worker not in self.failures:
+                self.failures.append(worker)
+
+    def _forward_new_signals(self) -> bool:
+        """Forwards signals that arrived since the last call; True if any did."""
+        new = self.signals.received[self._forwarded:]
+        self._forwarded = len(self.signals.received)
+        for signum in new:
+            for worker in self.workers:
+                worker.signal_group(signum)
+        return bool(new)
+
+    def _watch(self) -> Outcome:
+        waiting_for_ports = set(range(len(self.workers))) if self.options.start_timeout else set()
+        started = time.monotonic()
+        next_probe = started
+        while True:
+            self._collect_exits()
+            if self.failures:
+                first = self.failures[0]
+                return Outcome(shell_exit_code(first.exit_code),
+                               f"worker {first.rank} {describe_exit(first.exit_code)}", first.rank)
+            if all(worker.exit_code is not None for worker in self.workers):
+                return Outcome(0)
+            if self._forward_new_signals():
+                return Outcome(128 + self.signals.received[0], "interrupted")
+            if waiting_for_ports and time.monotonic() >= next_probe:
+                waiting_for_ports = self._still_closed(waiting_for_ports)
+                next_probe = time.monotonic() + PORT_PROBE_SECONDS
+                if waiting_for_ports and time.monotonic() - started > self.options.start_timeout:
+                    return self._start_timeout_outcome(waiting_for_ports)
+            time.sleep(POLL_SECONDS)
+
+    def _still_closed(self, ranks: Set[int]) -> Set[int]:
+        return {rank for rank in ranks
+                if self.workers[rank].exit_code is None
+                and not any(_port_accepts(self.options.host, port) for port in self.plan.ports[rank])}
+
+    def _start_timeout_outcome(self, ranks: Set[int]) -> Outcome:
+        rank = min(ranks)
+        return Outcome(START_TIMEOUT_EXIT_CODE,
+                       f"worker {rank} did not open its port(s) {self.plan.ports[rank]} within "
+                       f"--start_timeout={self.options.start_timeout:g}s (it is stuck before creating its "
+                       f"strategy, or it does not use TF_CONFIG/DTENSOR_JOBS)", rank)
+
+    def _stop(self) -> None:
+        """Ends every worker: SIGTERM (unless a forwarded signal is already ending them),
+        a grace period, then SIGKILL to every process group, then reaping."""
+        self._forward_new_signals()
+        if self._forwarded == self._first_signal:   # no signal of the user's is ending them: we do
+            for worker in self.workers:
+                if worker.exit_code is None:
+                    worker.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.options.grace_period
+        while time.monotonic() < deadline and any(worker.poll() is None for worker in self.workers):
+            if self._forward_new_signals() and len(self.signals.received) > self._first_signal + 1:
+                break   # a second Ctrl-C: the user wants them gone now
+            time.sleep(POLL_SECONDS)
+        self._collect_exits()
+        for worker in self.workers:   # also ends orphans of workers that already exited
+            worker.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + REAP_TIMEOUT_SECONDS
+        for worker in self.workers:
+            worker.reap(deadline)
+        self._collect_exits()
+
+    def _interrupted_outcome(self) -> Outcome:
+        signum = self.signals.received[0]
+        name = signal.Signals(signum).name
+        if self.failures:
+            first = self.failures[0]
+            return Outcome(shell_exit_code(first.exit_code),
+                           f"interrupted by {name}; worker {first.rank} {describe_exit(first.exit_code)}",
+                           first.rank)
+        return Outcome(128 + signum, f"interrupted by {name}")
+
+
+def _port_accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def run(options: LaunchOptions) -> int:
+    """Runs the workers, restarting the whole group up to --max_restarts times; returns the exit status."""
+    command = resolve_command(options.command)
+    if options.dry_run:
+        print_dry_run(options, plan_group(options), sys.stdout)
+        return 0
+    used_ports: Set[int] = set()
+    with SignalForwarder() as signals:
+        for attempt in range(options.max_restarts + 1):
+            plan = plan_group(options, attempt, exclude=used_ports)   # fresh ports: old ones may linger
+            used_ports |= plan.all_ports
+            outcome = WorkerGroup(options, command, plan, signals).run()
+            if outcome.ok:
+                return 0
+            if signals.received:
+                log(f"{outcome.message}; all workers ended.")
+                return outcome.exit_code
+            if attempt == options.max_restarts:
+                break
+            log(f"{outcome.message}; ended the other workers. "
+                f"restart {attempt + 1}/{options.max_restarts} with fresh ports.")
+    if options.max_restarts:
+        log(f"giving up after {options.max_restarts} restart(s): {outcome.message} "
+            f"(exit status {outcome.exit_code}).")
+    else:
+        log(f"{outcome.message}; ended the other workers (exit status {outcome.exit_code}). "
+            f"Use --max_restarts to restart the group automatically.")
+    return outcome.exit_code
+
+
+def launch(argv: Sequence[str]) -> int:
+    """`tfdist launch ...` without error handling (UsageError propagates to the CLI)."""
+    return run(parse_args(argv))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from tfdist import cli
+    return cli.main(["launch", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

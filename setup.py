@@ -24,7 +24,7 @@ setup(
         "importlib_resources",    # tfds 4.9.10 imports it without declaring it (tensorflow/datasets#11212)
     ],
     extras_require={
-        "test": ["pytest>=9,<10"],
+        "test": ["pytest>=9,<10", "pyyaml>=6,<7"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
 )

@@ -28,8 +28,9 @@ library that reads TF_CONFIG behind its back) still starts.
 Each worker runs in its own process group; its output lines are prefixed with
 "[worker R] ". When a worker fails, the others get SIGTERM and, after
 --grace_period seconds, SIGKILL (to the whole group, so no orphan survives).
-SIGINT/SIGTERM sent to the launcher are forwarded to every worker; a second one
-kills them at once.
+SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every worker; a
+second one kills them at once. (SIGKILL to the launcher cannot be forwarded:
+end the workers' process groups yourself then.) Workers read stdin from /dev/null.
 
 Exit status: 0 when every worker succeeds; otherwise the first failing worker's
 exit code (128+N for a worker killed by signal N); 124 when --start_timeout
@@ -309,13 +310,14 @@ class Outcome:
 
 
 class SignalForwarder:
-    """Records SIGINT/SIGTERM for the launcher's loop, which forwards them to the workers.
+    """Records SIGINT/SIGTERM/SIGHUP for the launcher's loop, which forwards them to the workers.
 
     The handler only records: a signal can land while workers are still being
     started, and the loop then forwards it to all of them, late starters included.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP too: workers run in their own sessions, so a closed terminal would not reach them.
+    SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
     def __init__(self):
         self.received: List[int] = []
@@ -472,13 +474,13 @@ def run(options: LaunchOptions) -> int:
                 return outcome.exit_code
             if attempt == options.max_restarts:
                 break
-            log(f"{outcome.message}; ended the other workers. "
+            log(f"{outcome.message}; ended every worker. "
                 f"restart {attempt + 1}/{options.max_restarts} with fresh ports.")
     if options.max_restarts:
         log(f"giving up after {options.max_restarts} restart(s): {outcome.message} "
             f"(exit status {outcome.exit_code}).")
     else:
-        log(f"{outcome.message}; ended the other workers (exit status {outcome.exit_code}). "
+        log(f"{outcome.message}; ended every worker (exit status {outcome.exit_code}). "
             f"Use --max_restarts to restart the group automatically.")
     return outcome.exit_code
 

@@ -1,0 +1,1 @@
+"""Benchmarks: library functions that return rows; experiments/benchmark.py writes them out."""

@@ -22,7 +22,8 @@ from tfdist.train import progress  # noqa: E402
 FLAGS = flags.FLAGS
 
 # Mode and devices.
-flags.DEFINE_string("strategy", "mirrored", "default, one_device, mirrored, ...")
+flags.DEFINE_string("strategy", "mirrored",
+                    "default, one_device, mirrored, multi_worker_mirrored.")
 flags.DEFINE_integer("simulate_devices", int(os.environ.get("TFDIST_SIMULATE_DEVICES", cfg.AUTO)),
                      "Split the CPU into N logical devices (0: don't; -1: 2 when no GPU). "
                      "Default from $TFDIST_SIMULATE_DEVICES, which `tfdist launch` sets.")
@@ -30,6 +31,10 @@ flags.DEFINE_integer("num_gpus", cfg.AUTO, "GPUs to use (-1: all visible).")
 flags.DEFINE_string("cross_device_ops", "auto",
                     "mirrored all-reduce: auto, nccl, hierarchical_copy, reduction_to_one_device.")
 flags.DEFINE_integer("num_packs", 1, "Gradient packs for nccl / hierarchical_copy.")
+flags.DEFINE_string("collective", "auto", "multi_worker_mirrored all-reduce: auto, ring, nccl.")
+flags.DEFINE_integer("bytes_per_pack", 0, "multi_worker_mirrored gradient pack size (0: TF's choice).")
+flags.DEFINE_integer("collective_timeout", 300,
+                     "Seconds to wait for peers to join, for a collective, or to notice a dead peer.")
 # Model.
 flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer.")
 flags.DEFINE_string("hidden_sizes", "100,50", "mlp hidden widths.")
@@ -72,7 +77,8 @@ def config_from_flags() -> cfg.RunConfig:
     return cfg.RunConfig(
         strategy=FLAGS.strategy, simulate_devices=FLAGS.simulate_devices,
         num_gpus=FLAGS.num_gpus, cross_device_ops=FLAGS.cross_device_ops,
-        num_packs=FLAGS.num_packs,
+        num_packs=FLAGS.num_packs, collective=FLAGS.collective,
+        bytes_per_pack=FLAGS.bytes_per_pack, collective_timeout=FLAGS.collective_timeout,
         model=cfg.ModelConfig(
             name=FLAGS.model, hidden_sizes=cfg.parse_ints(FLAGS.hidden_sizes, "hidden_sizes"),
             filters=cfg.parse_ints(FLAGS.filters, "filters"), num_layers=FLAGS.num_layers,

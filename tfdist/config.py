@@ -16,6 +16,7 @@ from tfdist.errors import UsageError, require
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
+COLLECTIVES = ("auto", "ring", "nccl")
 TRAINERS = ("loop", "fit")
 AUTO = -1
 
@@ -82,6 +83,9 @@ class RunConfig:
     num_gpus: int = AUTO              # -1: all visible GPUs
     cross_device_ops: str = "auto"
     num_packs: int = 1
+    collective: str = "auto"          # multi_worker_mirrored all-reduce implementation
+    bytes_per_pack: int = 0           # 0: TF decides how to pack gradients
+    collective_timeout: int = 300     # seconds: joining peers, collectives, dead-peer detection
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     global_batch_size: int = 64
@@ -111,6 +115,9 @@ class RunConfig:
                 f"--simulate_devices must be >= 0 (or -1 for auto), got {self.simulate_devices}.")
         require(self.num_gpus >= AUTO, f"--num_gpus must be >= 0 (or -1 for all), got {self.num_gpus}.")
         _positive("num_packs", self.num_packs)
+        _one_of("collective", self.collective, COLLECTIVES)
+        _positive("bytes_per_pack", self.bytes_per_pack, allow_zero=True)
+        _positive("collective_timeout", self.collective_timeout)
         _positive("global_batch_size", self.global_batch_size)
         _positive("train_steps", self.train_steps, allow_zero=True)
         _positive("epochs", self.epochs, allow_zero=True)

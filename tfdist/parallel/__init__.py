@@ -10,6 +10,7 @@ MODES = Registry("strategy", {
     "default": "tfdist.parallel.strategy:build_default",
     "one_device": "tfdist.parallel.strategy:build_one_device",
     "mirrored": "tfdist.parallel.strategy:build_mirrored",
+    "multi_worker_mirrored": "tfdist.parallel.multi_worker:build_multi_worker",
 })
 
 

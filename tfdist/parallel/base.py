@@ -47,6 +47,10 @@ class Parallelism(abc.ABC):
     def param_bytes_per_device(self, variables) -> Dict[str, int]:
         """Device name -> bytes of the given variables stored on it."""
 
+    def write_dir(self, path):
+        """Where this process writes logs under `path` (non-chief workers: a scratch dir)."""
+        return path
+
     def close(self) -> None:
         """Releases what the mode holds (servers, temporary dirs)."""
 

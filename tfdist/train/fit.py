@@ -11,6 +11,7 @@ import time
 import keras
 
 from tfdist.data import pipeline
+from tfdist.train import keras_fixes
 from tfdist.train.loop import LoopResult, evaluate
 
 
@@ -30,6 +31,7 @@ class StepLosses(keras.callbacks.Callback):
 
 def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
     start = time.perf_counter()
+    keras_fixes.repair_fit_for_collective_strategies(model)
     with parallel.scope():
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -84,7 +84,8 @@ def run(config: RunConfig, return_model: bool = False):
         from tfdist.train import fit
         loop_result = fit.train_with_fit(config, parallel, source, model, optimizer, steps)
     else:
-        loop = TrainingLoop(config, parallel, source, model, optimizer, config.model_dir)
+        loop = TrainingLoop(config, parallel, source, model, optimizer,
+                            parallel.write_dir(config.model_dir))
         loop_result = loop.run(steps)
     results = results_dict(config, parallel, steps, loop_result, model, optimizer)
     if config.results_json and parallel.is_chief:

@@ -1,0 +1,170 @@
+"""multi_worker_mirrored: data parallelism across processes (TF_CONFIG or Slurm).
+
+A peer of `mirrored`: the same StrategyParallelism step, over
+tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
+- the cluster comes from a validated TF_CONFIG, or from Slurm's variables;
+- --collective / --bytes_per_pack / --collective_timeout become
+  CommunicationOptions, and the timeout also bounds how long workers wait for
+  each other to join and how long a dead peer goes unnoticed (no hangs);
+- on a CPU host, each worker's simulated CPUs become replicas (TF would use one);
+- Keras `fit` is repaired for this strategy (keras_fit_fix).
+TensorFlow allows one such strategy per process, so it is built once and reused.
+"""
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from tfdist import cluster, devices
+from tfdist.errors import UsageError
+from tfdist.parallel.strategy import StrategyParallelism
+
+log = logging.getLogger("tfdist")
+COLLECTIVES = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_built = {}  # options -> the process's one MultiWorkerMirroredStrategy
+
+
+def cluster_from_environment() -> cluster.TFConfig:
+    """The validated cluster: TF_CONFIG if set, else Slurm's variables, else an error."""
+    if os.environ.get("TF_CONFIG"):
+        tf_config = cluster.parse_tf_config(os.environ["TF_CONFIG"])
+    elif "SLURM_PROCID" in os.environ:
+        task = cluster.from_slurm_env(os.environ)
+        tf_config = cluster.parse_tf_config(cluster.build_tf_config(task.hosts, task.index))
+    else:
+        raise UsageError(
+            "--strategy=multi_worker_mirrored needs a cluster: set TF_CONFIG (see "
+            "`tfdist tf-config`), run under Slurm's srun, or start the workers with "
+            "`tfdist launch --workers N -- python -m experiments.train ...`.")
+    if tf_config.rank is None:
+        raise UsageError(f"This task is {tf_config.task_type}:{tf_config.task_index}; "
+                         f"only chief and worker tasks train under multi_worker_mirrored.")
+    cluster.check_own_port_free(tf_config)
+    return tf_config
+
+
+def resolver_for(tf_config: cluster.TFConfig, num_gpus: int):
+    spec = tf.train.ClusterSpec(tf_config.cluster)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type=tf_config.task_type, task_id=tf_config.task_index,
+        rpc_layer=tf_config.rpc_layer or "grpc", num_accelerators={"GPU": num_gpus})
+
+
+def communication_options(config) -> tf.distribute.experimental.CommunicationOptions:
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=config.bytes_per_pack,
+        timeout_seconds=float(config.collective_timeout),
+        implementation=COLLECTIVES[config.collective])
+
+
+def configure_coordination(tf_config: cluster.TFConfig, timeout_seconds: int) -> None:
+    """Bounds the wait for peers to join and the time to notice a dead peer.
+
+    MultiWorkerMirroredStrategy configures TF's coordination service only when
+    none is configured, with TF's defaults (peers may take an hour to join). We
+    configure it first, the same way but with our timeout. Private API
+    (tensorflow.python.eager.context.Context.configure_coordination_service):
+    tf.distribute has no public registration/heartbeat timeout, and we found no
+    upstream issue asking for one. tests/test_upstream_canaries.py notices changes.
+    """
+    # The same proto module the strategy itself uses, wherever TF keeps it.
+    from tensorflow.python.distribute.collective_all_reduce_strategy import coordination_config_pb2
+    from tensorflow.python.eager import context
+    jobs = [coordination_config_pb2.CoordinatedJob(name=kind, num_tasks=len(tf_config.cluster[kind]))
+            for kind in cluster.TRAINING_TYPES if kind in tf_config.cluster]
+    leader = "chief" if "chief" in tf_config.cluster else "worker"
+    timeout_ms = int(timeout_seconds * 1000)
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=f"/job:{leader}/replica:0/task:0",
+        enable_health_check=True, cluster_register_timeout_in_ms=timeout_ms,
+        heartbeat_timeout_in_ms=timeout_ms, shutdown_barrier_timeout_in_ms=timeout_ms,
+        coordinated_jobs=jobs)
+
+
+@contextlib.contextmanager
+def simulated_cpu_replicas(count: int):
+    """Makes each worker's `count` simulated CPUs its local replicas.
+
+    On a host without accelerators TF's CollectiveAllReduceExtended always uses
+    one CPU device per worker (its `_initialize_local_devices`, TODO b/126786766
+    upstream), so `--devices_per_worker` could not be rehearsed. This overrides
+    that private method while the strategy is built. Checked by
+    tests/test_upstream_canaries.py.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+    extended = cars.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
+
+    def cpu_devices(self, cluster_resolver, worker_device):
+        local, kind = original(self, cluster_resolver, worker_device)
+        if kind != "CPU" or count <= 1:
+            return local, kind
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
+
+    extended._initialize_local_devices = cpu_devices
+    try:
+        yield
+    finally:
+        extended._initialize_local_devices = original
+
+
+def build_strategy(config, tf_config: cluster.TFConfig, local_devices):
+    key = (config.collective, config.bytes_per_pack, config.collective_timeout, tuple(local_devices))
+    if key in _built:
+        return _built[key]
+    if _built:
+        raise UsageError("TensorFlow allows one MultiWorkerMirroredStrategy per process; this "
+                         f"process already built one with other options ({next(iter(_built))}).")
+    gpus = sum(1 for d in local_devices if "gpu" in d)
+    configure_coordination(tf_config, config.collective_timeout)
+    with simulated_cpu_replicas(0 if gpus else len(local_devices)):
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver_for(tf_config, gpus),
+            communication_options=communication_options(config))
+    _built[key] = strategy
+    return strategy
+
+
+class MultiWorkerParallelism(StrategyParallelism):
+    """StrategyParallelism plus chief-only writes (TF's write-path pattern)."""
+
+    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig):
+        super().__init__("multi_worker_mirrored", strategy, local_devices)
+        self.tf_config = tf_config
+        self.is_chief = tf_config.is_chief
+        self._scratch_dirs = []
+
+    def write_dir(self, path):
+        """The chief writes to `path`; other workers to a scratch dir removed at close."""
+        if path is None or self.is_chief:
+            return path
+        scratch = tempfile.mkdtemp(prefix=f"tfdist-worker{self.tf_config.rank}-")
+        self._scratch_dirs.append(scratch)
+        return scratch
+
+    def close(self):
+        for scratch in self._scratch_dirs:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._scratch_dirs = []
+
+
+def build_multi_worker(config) -> MultiWorkerParallelism:
+    tf_config = cluster_from_environment()
+    # One replica per worker unless asked (`tfdist launch --devices_per_worker K`).
+    simulate = 0 if config.simulate_devices == devices.AUTO else config.simulate_devices
+    local = devices.configure(simulate, config.num_gpus)
+    if config.collective == "nccl" and not any("gpu" in d for d in local):
+        raise UsageError(f"--collective=nccl needs GPUs, but this worker's devices are "
+                         f"{', '.join(local)}. Use ring (or auto) on CPUs.")
+    strategy = build_strategy(config, tf_config, local)
+    log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
+             tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
+    return MultiWorkerParallelism(strategy, local, tf_config)

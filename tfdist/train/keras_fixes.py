@@ -1,0 +1,79 @@
+"""Repairs for Keras 3 `fit` under tf.distribute, each with its upstream issue.
+
+Keras 3.15 `fit` under MultiWorkerMirroredStrategy fails before the first step:
+`TensorFlowTrainer._maybe_symbolic_build` takes one distributed batch and calls
+`strategy.reduce("MEAN", batch)` on it just to learn the input shapes, which a
+collective strategy cannot do eagerly on a PerReplica batch ("Attempt to convert
+a value (PerReplica...) to a Tensor"). Upstream: keras-team/keras#20585 and
+tensorflow/tensorflow#72388, open since TF 2.16.
+
+The repair gives the model a `_maybe_symbolic_build` that builds from one local
+replica's batch instead (only its shapes matter). It overrides a private Keras
+method on the instance only.
+
+Past that, every step fails the same way one level down: the train function
+reduces its (scalar) logs with `reduce_per_replica(..., "auto")`, which under a
+multi-worker collective strategy calls `strategy.reduce("MEAN", v, axis=0)`, an
+invalid axis for a scalar. The second repair wraps Keras' module-level
+`reduce_per_replica` so scalars are reduced with axis=None (same issues).
+
+Both touch private Keras code; tests/test_upstream_canaries.py fails when Keras
+changes either, so the repairs are revisited (or dropped) then.
+"""
+
+import types
+
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+
+
+def _local_part(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return tf.distribute.get_strategy().experimental_local_results(value)[0]
+    return value
+
+
+def _symbolic_build_from_local_batch(self, iterator=None, data_batch=None):
+    strategy = self._distribute_strategy
+    if strategy is None:
+        return
+    if iterator is not None:
+        for _, _, batch_iterator in iterator:
+            with strategy.scope():
+                data_batch = tf.nest.map_structure(_local_part, next(batch_iterator))
+            break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def repair_fit_for_collective_strategies(model) -> None:
+    """Lets `model.fit` run under MultiWorkerMirroredStrategy (keras-team/keras#20585)."""
+    repair_keras_log_reduction()
+    model._maybe_symbolic_build = types.MethodType(_symbolic_build_from_local_batch, model)
+
+
+def _is_scalar(value) -> bool:
+    """A scalar tensor, or per-replica scalars (one local replica gives a plain tensor)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    return getattr(value, "shape", None) is not None and value.shape.rank == 0
+
+
+def _scalar_safe_reduce_per_replica(original):
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and keras_tf_trainer._collective_all_reduce_multi_worker(
+                strategy):
+            return tf.nest.map_structure(
+                lambda v: strategy.reduce("MEAN", v, axis=None) if _is_scalar(v)
+                else original(v, strategy, reduction), values)
+        return original(values, strategy, reduction)
+
+    reduce_per_replica.tfdist_repaired = True
+    return reduce_per_replica
+
+
+def repair_keras_log_reduction() -> None:
+    """Makes fit's per-step log reduction valid under MWMS (keras-team/keras#20585). Idempotent."""
+    current = keras_tf_trainer.reduce_per_replica
+    if not getattr(current, "tfdist_repaired", False):
+        keras_tf_trainer.reduce_per_replica = _scalar_safe_reduce_per_replica(current)

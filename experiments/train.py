@@ -51,6 +51,8 @@ flags.DEFINE_string("synthetic_shape", "28,28,1", "synthetic: example shape.")
 flags.DEFINE_integer("synthetic_classes", 10, "synthetic: classes.")
 flags.DEFINE_integer("synthetic_examples", 8192, "synthetic: training examples.")
 flags.DEFINE_integer("shuffle_buffer", 0, "0: the whole training split.")
+flags.DEFINE_string("sharding", "auto", "Across workers: auto (file-level when a file-backed "
+                    "dataset's files divide over the workers, else data-level), file, data.")
 # Training.
 flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all replicas.")
 flags.DEFINE_integer("train_steps", 0, "Steps to train (0: use --epochs).")
@@ -87,7 +89,8 @@ def config_from_flags() -> cfg.RunConfig:
             name=FLAGS.dataset, data_dir=FLAGS.data_dir, seq_len=FLAGS.seq_len,
             synthetic_shape=cfg.parse_ints(FLAGS.synthetic_shape, "synthetic_shape"),
             synthetic_classes=FLAGS.synthetic_classes,
-            synthetic_examples=FLAGS.synthetic_examples, shuffle_buffer=FLAGS.shuffle_buffer),
+            synthetic_examples=FLAGS.synthetic_examples, shuffle_buffer=FLAGS.shuffle_buffer,
+            sharding=FLAGS.sharding),
         global_batch_size=FLAGS.global_batch_size, train_steps=FLAGS.train_steps,
         epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
         seed=FLAGS.seed, model_dir=FLAGS.model_dir, results_json=FLAGS.results_json,

@@ -21,7 +21,7 @@ from tfdist.data import digits, get_source, synthetic, text
 from tfdist.errors import UsageError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIGITS_SIZES = {"train": 1437, "test": 360}
+DIGITS_SIZES = {"train": 1440, "test": 357}
 
 
 def as_arrays(dataset):
@@ -36,7 +36,7 @@ def example_counter(features, labels):
 
 
 def shard_files_on_disk(data_dir, split):
-    pattern = os.path.join(data_dir, "tfdist_digits", "1.0.0",
+    pattern = os.path.join(data_dir, "tfdist_digits", "1.1.0",
                            f"tfdist_digits-{split}.tfrecord-*-of-00004")
     return sorted(glob.glob(pattern))
 
@@ -150,7 +150,7 @@ def test_two_processes_preparing_together_give_one_valid_dataset(tmp_path, caplo
     finally:
         racer.kill()
     assert racer.returncode == 0, stderr
-    assert "SIZES 1437 360" in stdout
+    assert "SIZES 1440 357" in stdout
     here = sum("Prepared dataset tfdist_digits" in r.getMessage() for r in caplog.records)
     there = stderr.count("Prepared dataset tfdist_digits")
     assert here + there == 1, (here, stderr)
@@ -269,14 +269,14 @@ def test_tfds_network_names_and_bad_versions_are_usage_errors(tmp_path, name):
         get_source(DataConfig(name=name, data_dir=str(tmp_path)))
 
 
-@pytest.mark.parametrize("name", ["tfds:tfdist_digits", "tfds:tfdist_digits:1.0.0"])
+@pytest.mark.parametrize("name", ["tfds:tfdist_digits", "tfds:tfdist_digits:1.1.0"])
 def test_tfds_prepared_dataset_loads(digits_dir, digits_source, name):
     source = get_source(DataConfig(name=name, data_dir=digits_dir))
     assert source.info.input_shape == (8, 8, 1) and source.info.num_classes == 10
     assert dict(source.info.num_examples) == DIGITS_SIZES
     assert source.files("test") == digits_source.files("test")
     features, labels = as_arrays(source.examples("test"))
-    assert features.shape == (360, 8, 8, 1)
+    assert features.shape == (357, 8, 8, 1)
     assert 0.0 <= features.min() and features.max() == pytest.approx(16 / 255)   # uint8 / 255
     _, digits_labels = as_arrays(digits_source.examples("test"))
     np.testing.assert_array_equal(labels, digits_labels)

@@ -37,4 +37,5 @@ def test_mirrored_matches_default(model, optimizer, devices):
                                   f"mirrored x{devices}")
     equivalence.assert_equivalent(reference(model, optimizer), candidate)
     assert len(candidate.losses) == STEPS
-    assert candidate.losses[-1] < candidate.losses[0]  # it trained, not just matched
+    # It trained, not just matched: the last steps' mean loss is below the first steps'.
+    assert sum(candidate.losses[-5:]) < sum(candidate.losses[:5])

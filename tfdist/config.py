@@ -17,6 +17,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 COLLECTIVES = ("auto", "ring", "nccl")
+SHARDING = ("auto", "file", "data")
 TRAINERS = ("loop", "fit")
 AUTO = -1
 
@@ -42,6 +43,7 @@ class DataConfig:
     synthetic_examples: int = 8192
     shuffle_buffer: int = 0               # 0: the whole training split (capped, see pipeline)
     prefetch: int = AUTO                  # batches to prefetch; -1 lets tf.data tune it
+    sharding: str = "auto"                # auto: file-level when files divide over workers
 
     def __post_init__(self):
         from tfdist import data
@@ -51,6 +53,7 @@ class DataConfig:
         _positive("synthetic_examples", self.synthetic_examples)
         _positive("shuffle_buffer", self.shuffle_buffer, allow_zero=True)
         require(self.prefetch >= AUTO, f"--prefetch must be >= -1, got {self.prefetch}.")
+        _one_of("sharding", self.sharding, SHARDING)
         require(len(self.synthetic_shape) > 0 and all(d > 0 for d in self.synthetic_shape),
                 f"--synthetic_shape must be positive sizes, got {self.synthetic_shape}.")
 

@@ -2,12 +2,14 @@
 
 Offline by construction: `sklearn.datasets.load_digits` ships its 1797 images
 inside the package. On first use they are written, once, as the tfds dataset
-`tfdist_digits` 1.0.0 into the data dir (`--data_dir`, else $TFDS_DATA_DIR, else
+`tfdist_digits` 1.1.0 into the data dir (`--data_dir`, else $TFDS_DATA_DIR, else
 ~/tensorflow_datasets): 4 TFRecord shard files per split, so that file-level
 sharding across workers is real, and readable by any tfds tool (also as
 `tfds:tfdist_digits`).
 
-Splits: a fixed stratified 80/20 split (train 1437, test 360). Examples are
+Splits: a fixed stratified split, train 1440 and test 357: 1440 = 4 shards of
+360, so every worker count that divides 4 reads equal whole files (file-level
+sharding keeps the same-examples-per-step guarantee only with equal files). Examples are
 float32 (8, 8, 1) images in [0, 1] (pixel / 16) and int32 labels 0..9, in the
 file order documented on `TfdsImageSource`.
 
@@ -33,8 +35,8 @@ from tfdist.errors import UsageError
 log = logging.getLogger(__name__)
 
 NUM_SHARDS = 4            # per split; > 1 so per-file sharding across workers is real
-TEST_FRACTION = 0.2
-SPLIT_SEED = 0            # fixes the train/test split forever (it is part of version 1.0.0)
+TEST_SIZE = 357           # leaves 1440 = 4 x 360 training examples: equal shard files
+SPLIT_SEED = 0            # fixes the train/test split forever (it is part of the version)
 MAX_PIXEL = 16.0          # load_digits pixels are 0..16
 LOCK_TIMEOUT_S = 300.0    # preparing takes seconds; a longer wait means something is stuck
 _LOCK_POLL_S = 0.1
@@ -43,8 +45,9 @@ _LOCK_POLL_S = 0.1
 class TfdistDigits(tfds.core.GeneratorBasedBuilder):
     """scikit-learn's handwritten digits (UCI optdigits test set), 8x8, 10 classes."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Stratified 80/20 split of sklearn.datasets.load_digits."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Stratified 80/20 split of sklearn.datasets.load_digits.",
+                     "1.1.0": "Stratified 1440/357 split: four equal training shards."}
     # Nothing is downloaded, so there are no URL checksums. Saying so also skips
     # tfds' search for a checksums file next to this module, which (tfds 4.9.10)
     # imports `importlib_resources`, a package tfds needs but does not declare on
@@ -57,7 +60,7 @@ class TfdistDigits(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description=("scikit-learn's bundled 8x8 handwritten digits, pixel values "
-                         "0..16, split 80/20 stratified by label (random_state=0)."),
+                         "0..16, split 1440/357 stratified by label (random_state=0)."),
             features=tfds.features.FeaturesDict({
                 "image": tfds.features.Image(shape=(8, 8, 1), dtype=np.uint8),
                 "label": tfds.features.ClassLabel(num_classes=10),
@@ -88,7 +91,7 @@ def _load_digits():
 def _stratified_split():
     from sklearn.model_selection import train_test_split
     _, labels = _load_digits()
-    return train_test_split(np.arange(len(labels)), test_size=TEST_FRACTION,
+    return train_test_split(np.arange(len(labels)), test_size=TEST_SIZE,
                             random_state=SPLIT_SEED, stratify=labels)
 
 

@@ -8,8 +8,11 @@ global-order elements [t*G, (t+1)*G) for a global batch G, however those are
 split over replicas and workers; only the summation order differs.
 
 Policies, explicitly:
-- sharding: data-level (`Dataset.shard` on elements), done here, so tf.data's
-  auto-shard is OFF (it would shard a second time).
+- sharding: for a file-backed source (TFRecord shards), file-level when the
+  number of input pipelines divides the number of files (each worker opens only
+  its files), else data-level; for other sources data-level. The order is built
+  so both give the same stream (see file_backed_stream). Sharding is done here,
+  so tf.data's auto-shard is OFF (it would shard a second time). Logged once.
 - remainder: training repeats forever and batches with drop_remainder=True, so
   every step is a full global batch (batches may span epochs). Evaluation pads
   the split up to a whole number of global batches with weight-0 examples, so
@@ -17,9 +20,14 @@ Policies, explicitly:
 - prefetch: DataConfig.prefetch batches (-1: tf.data AUTOTUNE).
 """
 
+import logging
 import math
 
 import tensorflow as tf
+
+from tfdist.errors import UsageError
+
+log = logging.getLogger("tfdist")
 
 MAX_SHUFFLE_BUFFER = 100_000  # whole-split permutations up to this many examples
 
@@ -31,9 +39,10 @@ def shuffle_buffer_size(source, config) -> int:
     return min(source.info.size("train"), MAX_SHUFFLE_BUFFER)
 
 
-def _finish(dataset, input_context, global_batch_size, config):
-    """Shards by input pipeline, batches per replica, sets options, prefetches."""
-    dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+def _finish(dataset, input_context, global_batch_size, config, sharded=False):
+    """Shards by input pipeline (unless done), batches per replica, sets options, prefetches."""
+    if not sharded:
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     per_replica = input_context.get_per_replica_batch_size(global_batch_size)
     dataset = dataset.batch(per_replica, drop_remainder=True)
     options = tf.data.Options()
@@ -43,9 +52,9 @@ def _finish(dataset, input_context, global_batch_size, config):
     return dataset.prefetch(tf.data.AUTOTUNE if config.prefetch < 0 else config.prefetch)
 
 
-def shuffled_epoch(examples, block_size: int, seed: int, epoch):
+def shuffled_epoch(examples, block_size: int, seed: int, epoch, stream: int = 0):
     """One epoch of `examples`, permuted within blocks of `block_size` (the whole
-    split by default), as a pure function of (seed, epoch, block).
+    split by default), as a pure function of (seed, stream, epoch, block).
 
     Stateless on purpose: a Dataset.shuffle seed-generator advances with every new
     iterator, so a restart, or Keras fit re-creating its iterator, would see another
@@ -54,26 +63,100 @@ def shuffled_epoch(examples, block_size: int, seed: int, epoch):
     def permute(block_index, block):
         x, y = block
         epoch_block = tf.cast(epoch, tf.int64) * 1_000_003 + block_index
-        order = tf.random.experimental.stateless_shuffle(
-            tf.range(tf.shape(y)[0]), seed=tf.stack([tf.constant(seed, tf.int64), epoch_block]))
+        key = tf.stack([tf.constant(seed * 100_003 + stream, tf.int64), epoch_block])
+        order = tf.random.experimental.stateless_shuffle(tf.range(tf.shape(y)[0]), seed=key)
         return tf.gather(x, order), tf.gather(y, order)
 
     return examples.batch(block_size).enumerate().map(permute).unbatch()
 
 
+def forever(epoch_fn):
+    """Epoch 0, 1, 2, ... back to back (a global batch may span two epochs)."""
+    return tf.data.Dataset.range(tf.int64.max).flat_map(epoch_fn)
+
+
+def source_files(source):
+    """The training split's shard files, or None when the source is not file-backed."""
+    files = getattr(source, "files", None)
+    return files("train") if files else None
+
+
+def round_robin_files(source, files, file_ids, per_file: int, seed: int, epoch):
+    """One epoch over `files`: each file permuted on its own (stream = its global
+    id), trimmed to `per_file` examples, then taken one example per file in turn."""
+    streams = [shuffled_epoch(source.read_files([path]).take(per_file), per_file,
+                              seed, epoch, stream=file_id)
+               for path, file_id in zip(files, file_ids)]
+    order = tf.data.Dataset.range(len(streams)).repeat(per_file)
+    return tf.data.Dataset.choose_from_datasets(streams, order)
+
+
+def file_lengths(source, files):
+    return [int(source.read_files([path]).cardinality()) for path in files]
+
+
+def file_backed_stream(source, files, seed, input_context, config):
+    """This input pipeline's share of the global stream of a file-backed source.
+
+    The global order is a round-robin over all F files (each permuted per epoch).
+    With P pipelines and P dividing F, pipeline p reads only files p, p+P, ...
+    round-robin, which yields exactly elements p, p+P, ... of the global order
+    (file-level sharding). Otherwise every pipeline reads all files and keeps
+    every P-th element (data-level); the streams are the same either way.
+    """
+    pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+    lengths = file_lengths(source, files)
+    per_file = min(lengths)  # equal files per round; longer files lose their tail each epoch
+    file_level = config.sharding != "data" and len(files) % pipelines == 0
+    if config.sharding == "file" and not file_level:
+        raise UsageError(f"--sharding=file needs the {len(files)} training files to divide "
+                         f"evenly over {pipelines} input pipelines; use --sharding=auto.")
+    log_sharding_once(file_level, len(files), pipelines, lengths)
+    ids = list(range(len(files)))
+    if file_level:
+        mine = ids[index::pipelines]
+        return forever(lambda epoch: round_robin_files(
+            source, [files[i] for i in mine], mine, per_file, seed, epoch)), True
+    everything = forever(lambda epoch: round_robin_files(source, files, ids, per_file, seed, epoch))
+    return everything.shard(pipelines, index), True
+
+
+_logged = set()
+
+
+def log_sharding_once(file_level: bool, num_files: int, pipelines: int, lengths) -> None:
+    key = (file_level, num_files, pipelines)
+    if key in _logged:
+        return
+    _logged.add(key)
+    if file_level:
+        log.info("input: file-level sharding, each of %d input pipeline(s) reads %d of %d "
+                 "TFRecord files", pipelines, num_files // pipelines, num_files)
+    else:
+        log.info("input: data-level sharding over %d files (%d files do not divide over %d "
+                 "input pipelines)", num_files, num_files, pipelines)
+    if len(set(lengths)) > 1:
+        log.info("input: files hold %s examples; each epoch uses the first %d of each "
+                 "(after its shuffle) to keep pipelines in step", lengths, min(lengths))
+
+
 def train_dataset_fn(source, global_batch_size: int, seed: int, config):
     """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever.
 
-    Epoch e is the training split permuted by shuffled_epoch(seed, e); epochs follow
-    each other without a gap, so a global batch may span two epochs.
+    A file-backed source uses file_backed_stream; any other source is permuted
+    whole per epoch (shuffled_epoch) and sharded by element.
     """
     block_size = shuffle_buffer_size(source, config)
+    files = source_files(source)
 
     def dataset_fn(input_context):
-        examples = source.examples("train")
-        epochs = tf.data.Dataset.range(tf.int64.max).flat_map(
-            lambda epoch: shuffled_epoch(examples, block_size, seed, epoch))
-        return _finish(epochs, input_context, global_batch_size, config)
+        if files:
+            stream, sharded = file_backed_stream(source, files, seed, input_context, config)
+        else:
+            examples = source.examples("train")
+            stream = forever(lambda epoch: shuffled_epoch(examples, block_size, seed, epoch))
+            sharded = False
+        return _finish(stream, input_context, global_batch_size, config, sharded)
 
     return dataset_fn
 

@@ -47,7 +47,6 @@ def cluster_from_environment() -> cluster.TFConfig:
     if tf_config.rank is None:
         raise UsageError(f"This task is {tf_config.task_type}:{tf_config.task_index}; "
                          f"only chief and worker tasks train under multi_worker_mirrored.")
-    cluster.check_own_port_free(tf_config)
     return tf_config
 
 
@@ -123,6 +122,7 @@ def build_strategy(config, tf_config: cluster.TFConfig, local_devices):
     if _built:
         raise UsageError("TensorFlow allows one MultiWorkerMirroredStrategy per process; this "
                          f"process already built one with other options ({next(iter(_built))}).")
+    cluster.check_own_port_free(tf_config)  # a taken port fails here, not in a gRPC hang
     gpus = sum(1 for d in local_devices if "gpu" in d)
     configure_coordination(tf_config, config.collective_timeout)
     with simulated_cpu_replicas(0 if gpus else len(local_devices)):

@@ -1,0 +1,35 @@
+"""A multi-worker test worker: trains several configs in one process, one launch.
+
+    python tests/workers/train_configs.py CONFIGS_JSON OUT_DIR
+
+CONFIGS_JSON maps a name to RunConfig overrides (model/optimizer/trainer...);
+each is trained under multi_worker_mirrored (TensorFlow allows one such strategy
+per process, which tfdist reuses), and the chief writes OUT_DIR/NAME.json.
+One launch pays TensorFlow's import once for all configs.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helpers import small_config  # noqa: E402
+from tfdist.config import ModelConfig  # noqa: E402
+from tfdist.train import runner  # noqa: E402
+
+
+def main(configs_json: str, out_dir: str) -> None:
+    simulate = int(os.environ.get("TFDIST_SIMULATE_DEVICES", "0"))
+    for name, overrides in json.loads(configs_json).items():
+        overrides = dict(overrides)
+        model = ModelConfig(name=overrides.pop("model"), filters=(8, 16))
+        config = small_config(strategy="multi_worker_mirrored", simulate_devices=simulate,
+                              model=model, results_json=os.path.join(out_dir, f"{name}.json"),
+                              **overrides)
+        runner.run(config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -16,7 +16,8 @@ from absl import app, flags  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist import config as cfg  # noqa: E402
-from tfdist.errors import UsageError  # noqa: E402
+from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_USAGE_ERROR, ClusterError,  # noqa: E402
+                           UsageError)
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -116,7 +117,10 @@ def main(argv):
         results = tfdist.run(config_from_flags())
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE_ERROR)
+    except ClusterError as error:
+        print(f"tfdist: cluster error: {error}", file=sys.stderr)
+        sys.exit(EXIT_CLUSTER_ERROR)
     print(summary(results))
 
 

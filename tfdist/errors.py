@@ -14,3 +14,15 @@ def require(condition: bool, message: str) -> None:
     """Raises UsageError(message) unless condition holds."""
     if not condition:
         raise UsageError(message)
+
+
+class ClusterError(RuntimeError):
+    """The cluster failed around this process: a peer never joined or stopped answering.
+
+    Entry points print the message and exit with EXIT_CLUSTER_ERROR, so a launcher
+    or scheduler can tell it from a crash (1) and a usage error (2).
+    """
+
+
+EXIT_USAGE_ERROR = 2
+EXIT_CLUSTER_ERROR = 3

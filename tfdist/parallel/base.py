@@ -51,6 +51,10 @@ class Parallelism(abc.ABC):
         """Where this process writes logs under `path` (non-chief workers: a scratch dir)."""
         return path
 
+    def translate_failures(self):
+        """Context that turns the mode's infrastructure failures into clear errors."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Releases what the mode holds (servers, temporary dirs)."""
 

@@ -4,8 +4,8 @@ A peer of `mirrored`: the same StrategyParallelism step, over
 tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
 - the cluster comes from a validated TF_CONFIG, or from Slurm's variables;
 - --collective / --bytes_per_pack / --collective_timeout become
-  CommunicationOptions, and the timeout also bounds how long workers wait for
-  each other to join and how long a dead peer goes unnoticed (no hangs);
+  CommunicationOptions; the timeout also bounds the rendezvous in which workers
+  wait for each other to start (tfdist.rendezvous), so nothing hangs;
 - on a CPU host, each worker's simulated CPUs become replicas (TF would use one);
 - Keras `fit` is repaired for this strategy (keras_fit_fix).
 TensorFlow allows one such strategy per process, so it is built once and reused.
@@ -14,13 +14,14 @@ TensorFlow allows one such strategy per process, so it is built once and reused.
 import contextlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 
 import tensorflow as tf
 
-from tfdist import cluster, devices
-from tfdist.errors import UsageError
+from tfdist import cluster, devices, rendezvous
+from tfdist.errors import ClusterError, UsageError
 from tfdist.parallel.strategy import StrategyParallelism
 
 log = logging.getLogger("tfdist")
@@ -30,6 +31,8 @@ COLLECTIVES = {
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
 _built = {}  # options -> the process's one MultiWorkerMirroredStrategy
+PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                 tf.errors.DeadlineExceededError, tf.errors.CancelledError)
 
 
 def cluster_from_environment() -> cluster.TFConfig:
@@ -62,30 +65,6 @@ def communication_options(config) -> tf.distribute.experimental.CommunicationOpt
         bytes_per_pack=config.bytes_per_pack,
         timeout_seconds=float(config.collective_timeout),
         implementation=COLLECTIVES[config.collective])
-
-
-def configure_coordination(tf_config: cluster.TFConfig, timeout_seconds: int) -> None:
-    """Bounds the wait for peers to join and the time to notice a dead peer.
-
-    MultiWorkerMirroredStrategy configures TF's coordination service only when
-    none is configured, with TF's defaults (peers may take an hour to join). We
-    configure it first, the same way but with our timeout. Private API
-    (tensorflow.python.eager.context.Context.configure_coordination_service):
-    tf.distribute has no public registration/heartbeat timeout, and we found no
-    upstream issue asking for one. tests/test_upstream_canaries.py notices changes.
-    """
-    # The same proto module the strategy itself uses, wherever TF keeps it.
-    from tensorflow.python.distribute.collective_all_reduce_strategy import coordination_config_pb2
-    from tensorflow.python.eager import context
-    jobs = [coordination_config_pb2.CoordinatedJob(name=kind, num_tasks=len(tf_config.cluster[kind]))
-            for kind in cluster.TRAINING_TYPES if kind in tf_config.cluster]
-    leader = "chief" if "chief" in tf_config.cluster else "worker"
-    timeout_ms = int(timeout_seconds * 1000)
-    context.context().configure_coordination_service(
-        service_type="standalone", service_leader=f"/job:{leader}/replica:0/task:0",
-        enable_health_check=True, cluster_register_timeout_in_ms=timeout_ms,
-        heartbeat_timeout_in_ms=timeout_ms, shutdown_barrier_timeout_in_ms=timeout_ms,
-        coordinated_jobs=jobs)
 
 
 @contextlib.contextmanager
@@ -122,15 +101,25 @@ def build_strategy(config, tf_config: cluster.TFConfig, local_devices):
     if _built:
         raise UsageError("TensorFlow allows one MultiWorkerMirroredStrategy per process; this "
                          f"process already built one with other options ({next(iter(_built))}).")
-    cluster.check_own_port_free(tf_config)  # a taken port fails here, not in a gRPC hang
+    # A taken port or a peer that never starts fails here, in Python, with a
+    # message; inside TensorFlow either would hang (see tfdist.rendezvous).
+    rendezvous.wait_for_peers(tf_config, config.collective_timeout)
     gpus = sum(1 for d in local_devices if "gpu" in d)
-    configure_coordination(tf_config, config.collective_timeout)
     with simulated_cpu_replicas(0 if gpus else len(local_devices)):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=resolver_for(tf_config, gpus),
             communication_options=communication_options(config))
     _built[key] = strategy
     return strategy
+
+
+def peer_failure_summary(message: str) -> str:
+    """The lines of a TF error that say which task failed (not where in the graph)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    telling = [i for i, line in enumerate(lines)
+               if re.search(r"unhealthy|aborted|timed out|deadline|heartbeat", line, re.I)]
+    chosen = lines[telling[0]:telling[0] + 2] if telling else lines[-1:]
+    return " ".join(chosen)[:400]
 
 
 class MultiWorkerParallelism(StrategyParallelism):
@@ -149,6 +138,20 @@ class MultiWorkerParallelism(StrategyParallelism):
         scratch = tempfile.mkdtemp(prefix=f"tfdist-worker{self.tf_config.rank}-")
         self._scratch_dirs.append(scratch)
         return scratch
+
+    @contextlib.contextmanager
+    def translate_failures(self):
+        """A dead or stuck peer surfaces as one of these TF errors in the next
+        collective (heartbeat loss, or --collective_timeout): say so plainly."""
+        try:
+            yield
+        except PEER_FAILURES as error:
+            summary = peer_failure_summary(error.message)
+            raise ClusterError(
+                f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: a peer died or "
+                f"stopped answering during training ({type(error).__name__}: {summary}). "
+                f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts "
+                f"the group.") from None
 
     def close(self):
         for scratch in self._scratch_dirs:

@@ -40,6 +40,15 @@ def build_model_and_optimizer(config: RunConfig, parallel, info):
     return model, optimizer
 
 
+def train(config, parallel, source, model, optimizer, steps):
+    if config.trainer == "fit":
+        from tfdist.train import fit
+        return fit.train_with_fit(config, parallel, source, model, optimizer, steps)
+    loop = TrainingLoop(config, parallel, source, model, optimizer,
+                        parallel.write_dir(config.model_dir))
+    return loop.run(steps)
+
+
 def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict:
     return {
         "strategy": config.strategy,
@@ -80,13 +89,8 @@ def run(config: RunConfig, return_model: bool = False):
     log.info("strategy %s: %d replica(s) on %s; %s on %s, %d steps of %d examples",
              parallel.name, parallel.num_replicas, ", ".join(parallel.devices),
              config.model.name, config.data.name, steps, config.global_batch_size)
-    if config.trainer == "fit":
-        from tfdist.train import fit
-        loop_result = fit.train_with_fit(config, parallel, source, model, optimizer, steps)
-    else:
-        loop = TrainingLoop(config, parallel, source, model, optimizer,
-                            parallel.write_dir(config.model_dir))
-        loop_result = loop.run(steps)
+    with parallel.translate_failures():
+        loop_result = train(config, parallel, source, model, optimizer, steps)
     results = results_dict(config, parallel, steps, loop_result, model, optimizer)
     if config.results_json and parallel.is_chief:
         write_results(config.results_json, results)

@@ -1,0 +1,162 @@
+"""multi_worker_mirrored failures end fast, with a message naming the problem.
+
+Bad TF_CONFIG and taken ports are caught before TensorFlow starts a server; a
+peer that never starts is caught by the rendezvous; a peer that dies mid-run is
+caught by TensorFlow's heartbeat and reported as a cluster error (exit 3); under
+`tfdist launch` the launcher ends the group at once.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import REPO, run_cli
+from tfdist import rendezvous
+from tfdist.cluster import parse_tf_config
+from tfdist.errors import EXIT_CLUSTER_ERROR, UsageError
+from tfdist.parallel import multi_worker
+
+TRAIN = ["--strategy=multi_worker_mirrored", "--model=mlp", "--global_batch_size=32"]
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+@pytest.mark.parametrize("value,expected", [
+    ('{"cluster": {"worker": ["127.0.0.1:1"]', "not valid JSON"),
+    ('{"task": {"type": "worker", "index": 0}}', "cluster"),
+    ('{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}}',
+     "valid range is 0..0"),
+])
+def test_bad_tf_config_is_a_usage_error(value, expected, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", value)
+    with pytest.raises(UsageError, match=expected):
+        multi_worker.cluster_from_environment()
+
+
+def test_no_cluster_at_all_explains_how_to_get_one(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(UsageError, match="tfdist launch --workers N"):
+        multi_worker.cluster_from_environment()
+
+
+def test_taken_port_is_named():
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        config = parse_tf_config(tf_config([port, free_ports(1)[0]], 0))
+        with pytest.raises(UsageError, match=f"port {port} of task worker:0 is already taken"):
+            rendezvous.wait_for_peers(config, timeout_seconds=5)
+    finally:
+        taken.close()
+
+
+def test_malformed_tf_config_from_the_cli(tmp_path):
+    start = time.monotonic()
+    result = run_cli([*TRAIN, "--train_steps=5"], env={"TF_CONFIG": "{not json"}, timeout=60)
+    assert result.returncode == 2 and "TF_CONFIG" in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - start < 60
+
+
+def test_worker_that_never_starts(tmp_path):
+    ports = free_ports(2)
+    start = time.monotonic()
+    result = run_cli([*TRAIN, "--train_steps=5", "--collective_timeout=5"],
+                     env={"TF_CONFIG": tf_config(ports, 0)}, timeout=60)
+    assert result.returncode == EXIT_CLUSTER_ERROR, result.stderr[-2000:]
+    assert f"nothing answered at 127.0.0.1:{ports[1]}" in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - start < 60
+
+
+def start_worker(ports, index, log_path):
+    env = dict(os.environ, TF_CONFIG=tf_config(ports, index), PYTHONPATH=REPO,
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    args = [sys.executable, "-m", "experiments.train", *TRAIN, "--train_steps=1000000",
+            "--log_every=100", "--collective_timeout=20"]
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for_text(path, text, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in open(path).read():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{open(path).read()[-2000:]}")
+
+
+def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(tmp_path):
+    ports = free_ports(2)
+    logs = [tmp_path / f"w{i}.log" for i in range(2)]
+    workers = [start_worker(ports, i, logs[i]) for i in range(2)]
+    try:
+        wait_for_text(logs[0], "step 100/", timeout=90)
+        workers[1].kill()
+        killed = time.monotonic()
+        assert workers[0].wait(timeout=60) == EXIT_CLUSTER_ERROR
+        assert time.monotonic() - killed < 20 + 5  # within --collective_timeout
+        assert "a peer died or stopped answering" in logs[0].read_text()
+    finally:
+        for worker in workers:
+            worker.kill()
+
+
+def rank_pids(launcher_pid):
+    """pid of each worker the launcher started, by the TFDIST_RANK in its environment."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            status = open(f"/proc/{entry}/status").read()
+        except OSError:
+            continue
+        parent = int(status.split("PPid:")[1].split()[0])
+        ranks = [e for e in environ if e.startswith(b"TFDIST_RANK=")]
+        if parent == launcher_pid and ranks:
+            found[int(ranks[0].split(b"=")[1])] = int(entry)
+    return found
+
+
+def test_launcher_ends_the_group_when_a_worker_is_killed(tmp_path):
+    log_path = tmp_path / "launch.log"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable, "-m",
+         "experiments.train", *TRAIN, "--train_steps=1000000", "--log_every=100"],
+        cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for_text(log_path, "step 100/", timeout=90)
+        pids = rank_pids(launcher.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        assert launcher.wait(timeout=60) != 0
+        assert time.monotonic() - killed < 30
+        time.sleep(0.5)
+        assert not os.path.exists(f"/proc/{pids[0]}") or "zombie" in open(
+            f"/proc/{pids[0]}/status").read()
+    finally:
+        launcher.kill()

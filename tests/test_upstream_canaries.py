@@ -1,0 +1,48 @@
+"""Canaries for the private TF/Keras code tfdist works around.
+
+Each test pins the upstream behaviour a workaround depends on. When one fails,
+upstream changed: revisit the workaround named in the test (maybe delete it).
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+from helpers import REPO
+
+
+def test_keras_symbolic_build_still_reduces_the_distributed_batch():
+    """tfdist.train.keras_fixes.repair_fit_for_collective_strategies (keras#20585)."""
+    source = inspect.getsource(keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build)
+    assert "self.distribute_strategy.reduce(" in source
+    assert "self._symbolic_build(data_batch=data_batch)" in source
+
+
+def test_keras_log_reduction_still_uses_axis_0_under_multi_worker():
+    """tfdist.train.keras_fixes.repair_keras_log_reduction (keras#20585)."""
+    source = inspect.getsource(keras_tf_trainer.reduce_per_replica)
+    assert 'strategy.reduce("MEAN", v, axis=0)' in source
+    assert callable(keras_tf_trainer._collective_all_reduce_multi_worker)
+
+
+def test_tf_collective_strategy_still_uses_one_cpu_per_worker():
+    """tfdist.parallel.multi_worker.simulated_cpu_replicas (TODO b/126786766 upstream)."""
+    method = cars.CollectiveAllReduceExtended._initialize_local_devices
+    assert list(inspect.signature(method).parameters) == ["self", "cluster_resolver",
+                                                           "worker_device"]
+    assert "num_local_devices = 1" in inspect.getsource(method)
+
+
+def test_plain_keras_fit_still_breaks_under_multi_worker():
+    """The upstream break itself, on 2 real workers: tfdist's fit repair is still needed."""
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable,
+         "tests/workers/keras_fit_upstream.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert "UPSTREAM-BREAK-PRESENT" in result.stdout, result.stdout[-3000:]
+    assert "UPSTREAM-FIXED" not in result.stdout

@@ -3,8 +3,11 @@ r"""Benchmarks, written as CSV and markdown (and PNG where there is a curve).
     python -m experiments.benchmark --suite=loop --out_dir=benchmarks/results
 
 Suites:
-  loop   tfdist's training loop against a hand-written strategy.run loop
-         (same model, strategy and data); the goal is a ratio >= 0.95.
+  loop       tfdist's training loop against a hand-written strategy.run loop
+             (same model, strategy and data); the goal is a ratio >= 0.95.
+  allreduce  nccl-tests-style all-reduce bandwidth, 1 MB to 64 MB, across
+             --workers processes started with `tfdist launch`, for each
+             --collectives choice (nccl only where there are GPUs).
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -20,12 +23,16 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop",)
+SUITES = ("loop", "allreduce")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
 flags.DEFINE_integer("trials", 5, "Alternating trials per contender; medians are reported.")
-flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices.")
+flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).")
+flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
+flags.DEFINE_string("collectives", "auto,ring", "allreduce: implementations to compare.")
+flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
+flags.DEFINE_bool("worker", False, "Internal: this process is one worker of a launched group.")
 
 
 def loop_configs():
@@ -45,15 +52,52 @@ def run_loop_suite():
     return [loop_overhead.compare(c, FLAGS.steps, FLAGS.trials) for c in loop_configs()]
 
 
+def allreduce_worker():
+    """One worker of the group: sweeps sizes; the chief prints the rows as JSON lines."""
+    import json
+    from tfdist.benchmarks import allreduce
+    from tfdist.parallel import multi_worker
+    config = cfg.RunConfig(strategy="multi_worker_mirrored", collective=FLAGS.collectives,
+                           simulate_devices=0)
+    parallel = multi_worker.build_multi_worker(config)
+    rows = allreduce.sweep(parallel.strategy, FLAGS.collectives,
+                           cfg.parse_ints(FLAGS.sizes_mb, "sizes_mb"))
+    if parallel.is_chief:
+        for row in rows:
+            print("ROW " + json.dumps(row), flush=True)
+
+
+def run_allreduce_suite():
+    """Launches one worker group per collective implementation; collects the chief's rows."""
+    import json
+    import subprocess
+    rows = []
+    for collective in FLAGS.collectives.split(","):
+        command = [sys.executable, "-m", "tfdist.launch", "--workers", str(FLAGS.workers), "--",
+                   sys.executable, "-m", "experiments.benchmark", "--suite=allreduce", "--worker",
+                   f"--collectives={collective}", f"--sizes_mb={FLAGS.sizes_mb}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if result.returncode != 0:
+            raise UsageError(f"allreduce workers for {collective} failed:\n{result.stdout[-2000:]}")
+        rows += [json.loads(line.split("ROW ", 1)[1]) for line in result.stdout.splitlines()
+                 if "ROW " in line]
+    return rows
+
+
 def main(argv):
     del argv
     progress.configure_logging()
     try:
         if FLAGS.suite not in SUITES:
             raise UsageError(f"Unknown --suite {FLAGS.suite!r}. Valid choices: {', '.join(SUITES)}.")
-        from tfdist import devices
-        devices.simulate_cpus(FLAGS.simulate_devices)
-        rows = run_loop_suite()
+        if FLAGS.worker:
+            return allreduce_worker()
+        if FLAGS.suite == "allreduce":
+            rows = run_allreduce_suite()
+        else:
+            from tfdist import devices
+            devices.simulate_cpus(FLAGS.simulate_devices)
+            rows = run_loop_suite()
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
         sys.exit(2)

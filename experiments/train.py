@@ -36,6 +36,14 @@ flags.DEFINE_string("collective", "auto", "multi_worker_mirrored all-reduce: aut
 flags.DEFINE_integer("bytes_per_pack", 0, "multi_worker_mirrored gradient pack size (0: TF's choice).")
 flags.DEFINE_integer("collective_timeout", 300,
                      "Seconds to wait for peers to join, for a collective, or to notice a dead peer.")
+# Model parallelism.
+flags.DEFINE_string("mesh", None, 'dtensor mesh, e.g. "batch=2,model=2" (default: all devices on batch).')
+flags.DEFINE_string("layout", "data", "dtensor layout: data, megatron, or a JSON/.py layout file.")
+flags.DEFINE_bool("layout_strict", False, "dtensor: a variable no layout rule matches is an error.")
+flags.DEFINE_integer("pipeline_stages", 2, "pipeline: stages, one device each.")
+flags.DEFINE_integer("microbatches", 1, "pipeline: micro-batches per step.")
+flags.DEFINE_string("pipeline_split", None, "pipeline: layer names that begin stages 2..S.")
+flags.DEFINE_string("pipeline_schedule", "gpipe", "pipeline: gpipe or 1f1b.")
 # Model.
 flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer.")
 flags.DEFINE_string("hidden_sizes", "100,50", "mlp hidden widths.")
@@ -82,6 +90,10 @@ def config_from_flags() -> cfg.RunConfig:
         num_gpus=FLAGS.num_gpus, cross_device_ops=FLAGS.cross_device_ops,
         num_packs=FLAGS.num_packs, collective=FLAGS.collective,
         bytes_per_pack=FLAGS.bytes_per_pack, collective_timeout=FLAGS.collective_timeout,
+        mesh=FLAGS.mesh, layout=FLAGS.layout, layout_strict=FLAGS.layout_strict,
+        pipeline_stages=FLAGS.pipeline_stages, microbatches=FLAGS.microbatches,
+        pipeline_split=tuple(FLAGS.pipeline_split.split(",")) if FLAGS.pipeline_split else None,
+        pipeline_schedule=FLAGS.pipeline_schedule,
         model=cfg.ModelConfig(
             name=FLAGS.model, hidden_sizes=cfg.parse_ints(FLAGS.hidden_sizes, "hidden_sizes"),
             filters=cfg.parse_ints(FLAGS.filters, "filters"), num_layers=FLAGS.num_layers,

@@ -18,6 +18,7 @@ MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 COLLECTIVES = ("auto", "ring", "nccl")
 SHARDING = ("auto", "file", "data")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 TRAINERS = ("loop", "fit")
 AUTO = -1
 
@@ -89,6 +90,13 @@ class RunConfig:
     collective: str = "auto"          # multi_worker_mirrored all-reduce implementation
     bytes_per_pack: int = 0           # 0: TF decides how to pack gradients
     collective_timeout: int = 300     # seconds: joining peers, collectives, dead-peer detection
+    mesh: Optional[str] = None        # dtensor: "batch=2,model=2"; None: all devices on batch
+    layout: str = "data"              # dtensor: data, megatron, or a JSON/.py layout file
+    layout_strict: bool = False       # dtensor: unmatched variables are an error, not replicated
+    pipeline_stages: int = 2          # pipeline: stages (devices per model replica)
+    microbatches: int = 1             # pipeline: micro-batches per replica batch
+    pipeline_split: Optional[Tuple[str, ...]] = None  # pipeline: layer names that start stages 2..S
+    pipeline_schedule: str = "gpipe"  # pipeline: gpipe or 1f1b
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     global_batch_size: int = 64
@@ -121,6 +129,9 @@ class RunConfig:
         _one_of("collective", self.collective, COLLECTIVES)
         _positive("bytes_per_pack", self.bytes_per_pack, allow_zero=True)
         _positive("collective_timeout", self.collective_timeout)
+        _positive("pipeline_stages", self.pipeline_stages)
+        _positive("microbatches", self.microbatches)
+        _one_of("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         _positive("global_batch_size", self.global_batch_size)
         _positive("train_steps", self.train_steps, allow_zero=True)
         _positive("epochs", self.epochs, allow_zero=True)

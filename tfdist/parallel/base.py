@@ -30,6 +30,19 @@ class Parallelism(abc.ABC):
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()
 
+    def build_model_and_optimizer(self, model_fn: Callable, optimizer_fn: Callable):
+        """Builds (model, optimizer) where this mode keeps them; slots exist on return.
+
+        The returned model's get_weights() must give the full weights in the order
+        a single-device build would (the equivalence harness compares them).
+        Modes that place or shard variables themselves override this.
+        """
+        with self.scope():
+            model = model_fn()
+            optimizer = optimizer_fn()
+            optimizer.build(model.trainable_variables)
+        return model, optimizer
+
     @abc.abstractmethod
     def distribute(self, dataset_fn: Callable) -> Iterable:
         """Turns dataset_fn(input_context) into an iterable of per-step inputs."""
@@ -44,8 +57,8 @@ class Parallelism(abc.ABC):
         """Returns step(iterator) -> (weighted loss sum, weighted correct sum, weight sum)."""
 
     @abc.abstractmethod
-    def param_bytes_per_device(self, variables) -> Dict[str, int]:
-        """Device name -> bytes of the given variables stored on it."""
+    def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
+        """Device name -> bytes of parameters plus optimizer state stored on it."""
 
     def write_dir(self, path):
         """Where this process writes logs under `path` (non-chief workers: a scratch dir)."""

@@ -56,9 +56,9 @@ class StrategyParallelism(Parallelism):
 
         return eval_step
 
-    def param_bytes_per_device(self, variables) -> Dict[str, int]:
+    def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         totals = collections.Counter()
-        for variable in variables:
+        for variable in list(model.variables) + list(optimizer.variables):
             backing = getattr(variable, "value", variable)  # Keras Variable -> tf variable
             components = getattr(backing, "values", (backing,))  # a mirrored copy per device
             for component in components:

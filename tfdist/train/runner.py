@@ -32,12 +32,10 @@ def resolve_steps(config: RunConfig, source) -> int:
 def build_model_and_optimizer(config: RunConfig, parallel, info):
     """Same seed, same initial weights, in every mode: the RNG is reset right before."""
     keras.utils.set_random_seed(config.seed)
-    with parallel.scope():
-        model = models.build_model(info, config.model)
-        optimizer = optimizers.build_optimizer(
-            config.optimizer, config.learning_rate, config.mixed_precision)
-        optimizer.build(model.trainable_variables)  # slots exist before the first step
-    return model, optimizer
+    return parallel.build_model_and_optimizer(
+        lambda: models.build_model(info, config.model),
+        lambda: optimizers.build_optimizer(config.optimizer, config.learning_rate,
+                                           config.mixed_precision))
 
 
 def train(config, parallel, source, model, optimizer, steps):
@@ -66,8 +64,7 @@ def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict
         "eval_accuracy": loop_result.eval_accuracy,
         "examples_per_sec": loop_result.examples_per_sec,
         "train_seconds": loop_result.train_seconds,
-        "param_bytes_per_device": parallel.param_bytes_per_device(
-            list(model.variables) + list(optimizer.variables)),
+        "param_bytes_per_device": parallel.param_bytes_per_device(model, optimizer),
     }
 
 

@@ -1,0 +1,53 @@
+"""All-reduce bandwidth across workers, in the manner of nccl-tests.
+
+Runs inside each worker of a `tfdist launch` group under multi_worker_mirrored.
+For each message size, a float32 tensor per replica is summed across all
+replicas `iterations` times inside one tf.function; the median of `trials`
+timings is reported. As in nccl-tests:
+  algorithm bandwidth = bytes / time
+  bus bandwidth       = algorithm bandwidth * 2 (n - 1) / n   (n = replicas)
+the second being comparable to the hardware's link speed for a ring.
+"""
+
+import statistics
+import time
+
+import tensorflow as tf
+
+MB = 1 << 20
+DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
+
+
+def time_all_reduce(strategy, num_bytes: int, iterations: int, trials: int) -> float:
+    """Median seconds for one all-reduce of num_bytes per replica."""
+    elements = num_bytes // 4
+
+    @tf.function
+    def reduce_many():
+        def replica_fn():
+            value = tf.ones([elements], tf.float32)
+            context = tf.distribute.get_replica_context()
+            for _ in range(iterations):  # unrolled: each waits for the previous one
+                value = context.all_reduce(tf.distribute.ReduceOp.SUM, value) * 0.5
+            return tf.reduce_sum(value[:1])
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn), axis=None)
+
+    float(reduce_many())  # trace, warm up the collective groups
+    timings = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        float(reduce_many())
+        timings.append((time.perf_counter() - start) / iterations)
+    return statistics.median(timings)
+
+
+def sweep(strategy, collective: str, sizes_mb=DEFAULT_SIZES_MB, iterations=5, trials=5):
+    n = strategy.num_replicas_in_sync
+    rows = []
+    for size_mb in sizes_mb:
+        seconds = time_all_reduce(strategy, size_mb * MB, iterations, trials)
+        algbw = size_mb * MB / seconds / 1e9
+        rows.append({"collective": collective, "replicas": n, "bytes": size_mb * MB,
+                     "time_ms": round(seconds * 1e3, 3), "algbw_GBps": round(algbw, 3),
+                     "busbw_GBps": round(algbw * 2 * (n - 1) / n, 3)})
+    return rows

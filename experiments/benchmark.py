@@ -8,6 +8,8 @@ Suites:
   allreduce  nccl-tests-style all-reduce bandwidth, 1 MB to 64 MB, across
              --workers processes started with `tfdist launch`, for each
              --collectives choice (nccl only where there are GPUs).
+  throughput 2 workers vs 1 worker (one thread each) on a compute-bound MLP,
+             and PyTorch DDP gloo when torch is installed.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -23,7 +25,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce")
+SUITES = ("loop", "allreduce", "throughput")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -32,6 +34,7 @@ flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).
 flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
 flags.DEFINE_string("collectives", "auto,ring", "allreduce: implementations to compare.")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
+flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
 flags.DEFINE_bool("worker", False, "Internal: this process is one worker of a launched group.")
 
 
@@ -94,6 +97,9 @@ def main(argv):
             return allreduce_worker()
         if FLAGS.suite == "allreduce":
             rows = run_allreduce_suite()
+        elif FLAGS.suite == "throughput":
+            from tfdist.benchmarks import throughput
+            rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)
         else:
             from tfdist import devices
             devices.simulate_cpus(FLAGS.simulate_devices)

@@ -1,0 +1,71 @@
+"""Multi-worker throughput on a compute-bound MLP, against one worker and PyTorch DDP.
+
+The issue's benchmark: MLP 784-1024-1024-10, global batch 512, SGD, synthetic
+data, every process limited to one thread (TF_NUM_INTRAOP_THREADS=1 and
+TF_NUM_INTEROP_THREADS=1; torch.set_num_threads(1)). Contenders run as separate
+process groups, alternating trial by trial so machine noise hits all alike;
+medians are reported. PyTorch DDP (gloo) runs only when torch is importable
+(optional extra: `pip install torch`).
+"""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+TRAIN_FLAGS = ["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
+               "--synthetic_shape=784", "--synthetic_examples=16384", "--global_batch_size=512",
+               "--optimizer=sgd", "--log_every=100000"]
+
+
+def _tfdist_rate(workers: int, steps: int, extra_flags=()) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "r.json")
+        train = [sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
+                 f"--results_json={results}", *TRAIN_FLAGS, *extra_flags]
+        if workers == 1:
+            command = train + ["--strategy=default", "--simulate_devices=0"]
+        else:
+            command = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers), "--",
+                       *train, "--strategy=multi_worker_mirrored"]
+        subprocess.run(command, env=dict(os.environ, **ONE_THREAD), check=True,
+                       capture_output=True, text=True, timeout=1800)
+        with open(results) as f:
+            return json.load(f)["examples_per_sec"]
+
+
+def _torch_rate(workers: int, steps: int) -> float:
+    script = os.path.join(os.path.dirname(__file__), "torch_ddp.py")
+    result = subprocess.run([sys.executable, script, str(workers), str(steps)],
+                            env=dict(os.environ, **ONE_THREAD), check=True,
+                            capture_output=True, text=True, timeout=1800)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def contenders(steps: int, bytes_per_pack: int):
+    runs = {
+        "tfdist 1 worker": lambda: _tfdist_rate(1, steps),
+        "tfdist 2 workers": lambda: _tfdist_rate(2, steps),
+    }
+    if bytes_per_pack:
+        runs[f"tfdist 2 workers, bytes_per_pack={bytes_per_pack}"] = lambda: _tfdist_rate(
+            2, steps, [f"--bytes_per_pack={bytes_per_pack}"])
+    if importlib.util.find_spec("torch") is not None:
+        runs["pytorch 1 process"] = lambda: _torch_rate(1, steps)
+        runs["pytorch DDP gloo 2 processes"] = lambda: _torch_rate(2, steps)
+    return runs
+
+
+def compare(steps: int = 300, trials: int = 3, bytes_per_pack: int = 0):
+    runs = contenders(steps, bytes_per_pack)
+    rates = {name: [] for name in runs}
+    for _ in range(trials):
+        for name, run in runs.items():
+            rates[name].append(run())
+    return [{"contender": name, "examples_per_sec_median": round(statistics.median(r), 1),
+             "trials": " ".join(f"{x:.0f}" for x in r)} for name, r in rates.items()]

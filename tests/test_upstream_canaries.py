@@ -24,7 +24,7 @@ def test_keras_symbolic_build_still_reduces_the_distributed_batch():
 
 def test_keras_log_reduction_still_uses_axis_0_under_multi_worker():
     """tfdist.train.keras_fixes.repair_keras_log_reduction (keras#20585)."""
-    source = inspect.getsource(keras_tf_trainer.reduce_per_replica)
+    source = inspect.getsource(inspect.unwrap(keras_tf_trainer.reduce_per_replica))
     assert 'strategy.reduce("MEAN", v, axis=0)' in source
     assert callable(keras_tf_trainer._collective_all_reduce_multi_worker)
 

@@ -69,6 +69,7 @@ def _scalar_safe_reduce_per_replica(original):
         return original(values, strategy, reduction)
 
     reduce_per_replica.tfdist_repaired = True
+    reduce_per_replica.__wrapped__ = original  # inspect.unwrap finds Keras' own
     return reduce_per_replica
 
 

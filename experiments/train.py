@@ -16,8 +16,8 @@ from absl import app, flags  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist import config as cfg  # noqa: E402
-from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_USAGE_ERROR, ClusterError,  # noqa: E402
-                           UsageError)
+from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_PREEMPTED, EXIT_USAGE_ERROR,  # noqa: E402
+                           ClusterError, Preempted, UsageError)
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -74,7 +74,9 @@ flags.DEFINE_string("trainer", "loop", "loop (tfdist's) or fit (Keras model.fit)
 flags.DEFINE_string("mixed_precision", None, "mixed_bfloat16 or mixed_float16 (off by default).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the forward and backward pass.")
 # Outputs.
-flags.DEFINE_string("model_dir", None, "TensorBoard logs (and later checkpoints) go here.")
+flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun to resume.")
+flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
+flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in --model_dir.")
 flags.DEFINE_string("results_json", None, "Write the results JSON here.")
 flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: at the end only).")
 flags.DEFINE_integer("log_every", 50, "Steps between log lines and TensorBoard scalars.")
@@ -106,7 +108,8 @@ def config_from_flags() -> cfg.RunConfig:
             sharding=FLAGS.sharding),
         global_batch_size=FLAGS.global_batch_size, train_steps=FLAGS.train_steps,
         epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
-        seed=FLAGS.seed, model_dir=FLAGS.model_dir, results_json=FLAGS.results_json,
+        seed=FLAGS.seed, model_dir=FLAGS.model_dir, checkpoint_every=FLAGS.checkpoint_every,
+        keep_checkpoints=FLAGS.keep_checkpoints, results_json=FLAGS.results_json,
         eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
         trainer=FLAGS.trainer)
@@ -115,9 +118,11 @@ def config_from_flags() -> cfg.RunConfig:
 def summary(results: dict) -> str:
     accuracy = results["eval_accuracy"]
     accuracy_text = "n/a" if accuracy is None else f"{accuracy:.2%}"
+    final = results["final_loss"]
+    final_text = "n/a (already trained)" if final is None else f"{final:.4f}"
     return (f"tfdist: {results['strategy']} x{results['num_replicas']} | {results['model']} on "
             f"{results['dataset']} | {results['steps']} steps | final loss "
-            f"{results['final_loss']:.4f} | eval accuracy {accuracy_text} | "
+            f"{final_text} | eval accuracy {accuracy_text} | "
             f"{results['examples_per_sec']:.0f} examples/s | {results['train_seconds']:.1f} s")
 
 
@@ -130,6 +135,9 @@ def main(argv):
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
         sys.exit(EXIT_USAGE_ERROR)
+    except Preempted as error:
+        print(f"tfdist: {error}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     except ClusterError as error:
         print(f"tfdist: cluster error: {error}", file=sys.stderr)
         sys.exit(EXIT_CLUSTER_ERROR)

@@ -94,3 +94,14 @@ def test_eval_counts_every_example_once_with_padding():
                         strategy.experimental_local_results(weights)):
             seen += [int(v) for v, keep in zip(i.numpy(), w.numpy()) if keep == 1.0]
     assert sorted(seen) == list(range(21))
+
+
+@pytest.mark.parametrize("start_step", [1, 6, 7, 13])
+def test_a_resumed_stream_continues_where_it_stopped(start_step):
+    fn = pipeline.train_dataset_fn(IdSource(), GLOBAL_BATCH, 3, DataConfig())
+    whole = [b[1].numpy().tolist() for b in fn(tf.distribute.InputContext()).take(20)]
+    resumed_fn = pipeline.train_dataset_fn(IdSource(), GLOBAL_BATCH, 3, DataConfig(),
+                                           start_step=start_step)
+    resumed = [b[1].numpy().tolist()
+               for b in resumed_fn(tf.distribute.InputContext()).take(20 - start_step)]
+    assert resumed == whole[start_step:]

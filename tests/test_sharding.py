@@ -67,3 +67,14 @@ def test_file_sharding_that_cannot_divide_is_an_error():
     from tfdist.errors import UsageError
     with pytest.raises(UsageError, match="--sharding=file needs the 4 training files"):
         worker_epoch(digits(), 3, 0, DataConfig(sharding="file"))
+
+
+@pytest.mark.parametrize("workers,sharding", [(1, "auto"), (2, "auto"), (2, "data")])
+def test_resumed_digits_steps_continue_the_same_stream(workers, sharding):
+    source = digits()
+    config = DataConfig(sharding=sharding)
+    whole = global_steps(source, workers, 60, config)
+    fn = pipeline.train_dataset_fn(source, GLOBAL_BATCH, SEED, config, start_step=47)
+    streams = [iter(fn(tf.distribute.InputContext(workers, w, workers))) for w in range(workers)]
+    resumed = [sorted(key(x, y) for s in streams for x, y in zip(*next(s))) for _ in range(13)]
+    assert resumed == whole[47:]

@@ -106,6 +106,8 @@ class RunConfig:
     optimizer: str = "adam"
     seed: int = 0
     model_dir: Optional[str] = None
+    checkpoint_every: int = 0         # steps; 0: only at the end and on SIGTERM (needs model_dir)
+    keep_checkpoints: int = 3
     results_json: Optional[str] = None
     eval_every: int = 0               # steps; 0: evaluate once at the end
     log_every: int = 50               # steps between log lines and TensorBoard scalars
@@ -142,6 +144,8 @@ class RunConfig:
         require(self.learning_rate > 0, f"--learning_rate must be > 0, got {self.learning_rate}.")
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
+        _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+        _positive("keep_checkpoints", self.keep_checkpoints)
         self._validate_profile_steps()
         if self.model_dir:
             check_writable_dir(self.model_dir, "--model_dir")

@@ -24,5 +24,15 @@ class ClusterError(RuntimeError):
     """
 
 
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint of `step` was saved. Rerun to resume."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"preempted (SIGTERM): saved a checkpoint at step {step} in "
+                         f"{directory}; rerun the same command to resume from it.")
+        self.step = step
+
+
 EXIT_USAGE_ERROR = 2
 EXIT_CLUSTER_ERROR = 3
+EXIT_PREEMPTED = 4

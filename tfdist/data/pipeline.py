@@ -70,9 +70,14 @@ def shuffled_epoch(examples, block_size: int, seed: int, epoch, stream: int = 0)
     return examples.batch(block_size).enumerate().map(permute).unbatch()
 
 
-def forever(epoch_fn):
-    """Epoch 0, 1, 2, ... back to back (a global batch may span two epochs)."""
-    return tf.data.Dataset.range(tf.int64.max).flat_map(epoch_fn)
+def forever(epoch_fn, start_epoch: int = 0):
+    """Epochs start_epoch, start_epoch + 1, ... back to back (a global batch may span two)."""
+    return tf.data.Dataset.range(start_epoch, tf.int64.max).flat_map(epoch_fn)
+
+
+def resume_point(consumed: int, epoch_length: int):
+    """(epoch, offset) of the element after `consumed` elements of a stream of epochs."""
+    return consumed // epoch_length, consumed % epoch_length
 
 
 def source_files(source):
@@ -95,7 +100,7 @@ def file_lengths(source, files):
     return [int(source.read_files([path]).cardinality()) for path in files]
 
 
-def file_backed_stream(source, files, seed, input_context, config):
+def file_backed_stream(source, files, seed, input_context, config, consumed: int = 0):
     """This input pipeline's share of the global stream of a file-backed source.
 
     The global order is a round-robin over all F files (each permuted per epoch).
@@ -113,12 +118,14 @@ def file_backed_stream(source, files, seed, input_context, config):
                          f"evenly over {pipelines} input pipelines; use --sharding=auto.")
     log_sharding_once(file_level, len(files), pipelines, lengths)
     ids = list(range(len(files)))
+    epoch, offset = resume_point(consumed, per_file * len(files))  # in global elements
     if file_level:
         mine = ids[index::pipelines]
-        return forever(lambda epoch: round_robin_files(
-            source, [files[i] for i in mine], mine, per_file, seed, epoch)), True
-    everything = forever(lambda epoch: round_robin_files(source, files, ids, per_file, seed, epoch))
-    return everything.shard(pipelines, index), True
+        return forever(lambda e: round_robin_files(
+            source, [files[i] for i in mine], mine, per_file, seed, e),
+            epoch).skip(offset // pipelines), True
+    everything = forever(lambda e: round_robin_files(source, files, ids, per_file, seed, e), epoch)
+    return everything.skip(offset).shard(pipelines, index), True
 
 
 _logged = set()
@@ -140,21 +147,26 @@ def log_sharding_once(file_level: bool, num_files: int, pipelines: int, lengths)
                  "(after its shuffle) to keep pipelines in step", lengths, min(lengths))
 
 
-def train_dataset_fn(source, global_batch_size: int, seed: int, config):
-    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever.
+def train_dataset_fn(source, global_batch_size: int, seed: int, config, start_step: int = 0):
+    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever,
+    starting at global step `start_step` (a resumed run continues the same stream).
 
     A file-backed source uses file_backed_stream; any other source is permuted
     whole per epoch (shuffled_epoch) and sharded by element.
     """
     block_size = shuffle_buffer_size(source, config)
     files = source_files(source)
+    consumed = start_step * global_batch_size  # global elements already trained on
 
     def dataset_fn(input_context):
         if files:
-            stream, sharded = file_backed_stream(source, files, seed, input_context, config)
+            stream, sharded = file_backed_stream(source, files, seed, input_context, config,
+                                                 consumed)
         else:
             examples = source.examples("train")
-            stream = forever(lambda epoch: shuffled_epoch(examples, block_size, seed, epoch))
+            epoch, offset = resume_point(consumed, source.info.size("train"))
+            stream = forever(lambda e: shuffled_epoch(examples, block_size, seed, e),
+                             epoch).skip(offset)
             sharded = False
         return _finish(stream, input_context, global_batch_size, config, sharded)
 

@@ -60,6 +60,14 @@ class Parallelism(abc.ABC):
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         """Device name -> bytes of parameters plus optimizer state stored on it."""
 
+    def checkpoint_objects(self, model, optimizer) -> Dict:
+        """The trackable objects whose state a checkpoint must hold."""
+        return {"model": model, "optimizer": optimizer}
+
+    def any_process(self, flag: bool) -> bool:
+        """True if `flag` is true in any process of the job (one process: itself)."""
+        return flag
+
     def write_dir(self, path):
         """Where this process writes logs under `path` (non-chief workers: a scratch dir)."""
         return path

@@ -130,6 +130,7 @@ class MultiWorkerParallelism(StrategyParallelism):
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
         self._scratch_dirs = []
+        self._any_fn = None
 
     def write_dir(self, path):
         """The chief writes to `path`; other workers to a scratch dir removed at close."""
@@ -138,6 +139,19 @@ class MultiWorkerParallelism(StrategyParallelism):
         scratch = tempfile.mkdtemp(prefix=f"tfdist-worker{self.tf_config.rank}-")
         self._scratch_dirs.append(scratch)
         return scratch
+
+    def any_process(self, flag: bool) -> bool:
+        """A MAX all-reduce of the flag, so every worker acts on the same step."""
+        if self._any_fn is None:
+            strategy = self.strategy
+
+            @tf.function
+            def any_fn(value):
+                per_replica = strategy.run(lambda: tf.identity(value))
+                return strategy.reduce(tf.distribute.ReduceOp.MAX, per_replica, axis=None)
+
+            self._any_fn = any_fn
+        return bool(self._any_fn(tf.constant(1.0 if flag else 0.0)) > 0)
 
     @contextlib.contextmanager
     def translate_failures(self):

@@ -58,8 +58,9 @@ def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
         "steps": steps,
+        "start_step": loop_result.start_step,   # losses[i] is step start_step + i + 1
         "losses": loop_result.losses,
-        "final_loss": loop_result.losses[-1],
+        "final_loss": loop_result.losses[-1] if loop_result.losses else None,
         "eval_loss": loop_result.eval_loss,
         "eval_accuracy": loop_result.eval_accuracy,
         "examples_per_sec": loop_result.examples_per_sec,

@@ -141,14 +141,15 @@ class MultiWorkerParallelism(StrategyParallelism):
         return scratch
 
     def any_process(self, flag: bool) -> bool:
-        """A MAX all-reduce of the flag, so every worker acts on the same step."""
+        """A SUM all-reduce of the 0/1 flag (ReduceOp has no MAX), so every worker
+        acts on the same step."""
         if self._any_fn is None:
             strategy = self.strategy
 
             @tf.function
             def any_fn(value):
                 per_replica = strategy.run(lambda: tf.identity(value))
-                return strategy.reduce(tf.distribute.ReduceOp.MAX, per_replica, axis=None)
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
             self._any_fn = any_fn
         return bool(self._any_fn(tf.constant(1.0 if flag else 0.0)) > 0)

@@ -46,3 +46,13 @@ def test_plain_keras_fit_still_breaks_under_multi_worker():
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert "UPSTREAM-BREAK-PRESENT" in result.stdout, result.stdout[-3000:]
     assert "UPSTREAM-FIXED" not in result.stdout
+
+
+def test_keras_backup_and_restore_still_has_the_pieces_tfdist_uses():
+    """tfdist.train.keras_fixes.ChiefOnlyBackupAndRestore and backed_up_epoch."""
+    import keras
+    callback = keras.callbacks.BackupAndRestore("/tmp/unused-backup-dir")
+    assert callable(callback._save_model)
+    assert callback._training_metadata_path.endswith("training_metadata.json")
+    assert '"epoch": self._current_epoch' in inspect.getsource(
+        keras.callbacks.BackupAndRestore._save_model)

@@ -74,8 +74,11 @@ def _atomic_write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
-def _failpoint(name: str, step: int) -> None:
-    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
+def failpoint(name: str, step: int) -> None:
+    """Fault injection for tests: dies at NAME:STEP on a launch's first attempt only
+    (TFDIST_RESTART_COUNT unset or 0), so a restarted group gets past it."""
+    if (os.environ.get(FAILPOINT_ENV) == f"{name}:{step}"
+            and os.environ.get("TFDIST_RESTART_COUNT", "0") == "0"):
         os._exit(9)  # as abrupt as SIGKILL: no cleanup, no flush
 
 
@@ -147,7 +150,7 @@ class Checkpointer:
         os.makedirs(self.write_dir, exist_ok=True)
         name = f"ckpt-{step}"
         self.checkpoint.write(os.path.join(self.write_dir, name))
-        _failpoint("crash_before_commit", step)
+        failpoint("crash_before_commit", step)
         if self.write_dir != self.read_dir:  # a non-chief worker's copy is not kept
             shutil.rmtree(self.write_dir, ignore_errors=True)
             return

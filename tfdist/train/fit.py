@@ -3,15 +3,20 @@
 The same model, optimizer, inputs and eval as the tfdist loop, so the two can be
 compared number for number. To record the exact loss of every step (Keras logs a
 running mean per epoch), fit runs `steps` one-step epochs over one persistent
-iterator of the infinite training dataset.
+iterator of the infinite training dataset. With --model_dir, Keras'
+BackupAndRestore (chief-only writes under multi-worker) backs up every step and a
+rerun resumes: Keras restores weights and epoch, tfdist starts the data there.
+Keras 3 does not back up optimizer state, so only stateless optimizers (sgd)
+resume exactly this way; tfdist's loop checkpoints the optimizer too.
 """
 
+import os
 import time
 
 import keras
 
 from tfdist.data import pipeline
-from tfdist.train import keras_fixes
+from tfdist.train import checkpoint, keras_fixes
 from tfdist.train.loop import LoopResult, evaluate
 
 
@@ -25,8 +30,9 @@ class StepLosses(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.losses.append(float(logs["loss"]))
-        if epoch == 0:
+        if self.first_step_done is None:
             self.first_step_done = time.perf_counter()
+        checkpoint.failpoint("fit_epoch_end", epoch + 1)
 
 
 def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
@@ -36,12 +42,25 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=config.jit_compile)
+    callbacks, start_step = backup_callbacks(config, parallel)
     dataset_fn = pipeline.train_dataset_fn(
-        source, config.global_batch_size, config.seed, config.data)
+        source, config.global_batch_size, config.seed, config.data, start_step)
     recorder = StepLosses()
     model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
-              callbacks=[recorder], verbose=0, shuffle=False)
+              callbacks=callbacks + [recorder], verbose=0, shuffle=False)
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
-    rate = max(steps - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
+    rate = max(len(recorder.losses) - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
     eval_loss, eval_accuracy = evaluate(parallel, parallel.make_eval_step(model), source, config)
-    return LoopResult(recorder.losses, eval_loss, eval_accuracy, rate, time.perf_counter() - start)
+    return LoopResult(recorder.losses, eval_loss, eval_accuracy, rate,
+                      time.perf_counter() - start, start_step)
+
+
+def backup_callbacks(config, parallel):
+    """With --model_dir: Keras BackupAndRestore (chief-only writes) every step, and
+    the step it will resume at, so the data stream resumes there too."""
+    if not config.model_dir:
+        return [], 0
+    backup_dir = os.path.join(config.model_dir, "backup")
+    callback = keras_fixes.ChiefOnlyBackupAndRestore(
+        backup_dir, is_chief=parallel.is_chief, delete_checkpoint=False)
+    return [callback], keras_fixes.backed_up_epoch(backup_dir)

@@ -21,8 +21,11 @@ Both touch private Keras code; tests/test_upstream_canaries.py fails when Keras
 changes either, so the repairs are revisited (or dropped) then.
 """
 
+import json
+import os
 import types
 
+import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
@@ -78,3 +81,38 @@ def repair_keras_log_reduction() -> None:
     current = keras_tf_trainer.reduce_per_replica
     if not getattr(current, "tfdist_repaired", False):
         keras_tf_trainer.reduce_per_replica = _scalar_safe_reduce_per_replica(current)
+
+
+class ChiefOnlyBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras' BackupAndRestore for multi-worker jobs: every worker restores from
+    the same `backup_dir`, only the chief writes (and deletes) it.
+
+    Plain BackupAndRestore would have every worker write the same files at once.
+    Overrides the private `_save_model` (tests/test_upstream_canaries.py pins it).
+    Note Keras 3 backs up model weights and the epoch, not the optimizer state.
+    """
+
+    def __init__(self, backup_dir: str, is_chief: bool, **kwargs):
+        super().__init__(backup_dir, **kwargs)
+        self.is_chief = is_chief
+
+    def _save_model(self):
+        if self.is_chief:
+            super()._save_model()
+
+    def on_train_end(self, logs=None):
+        if self.is_chief:
+            super().on_train_end(logs)
+
+
+def backed_up_epoch(backup_dir: str) -> int:
+    """The epoch BackupAndRestore will resume at (0: nothing backed up).
+
+    Read before fit builds its dataset, so the data resumes at the same step.
+    Keras' metadata file; pinned by tests/test_upstream_canaries.py.
+    """
+    path = os.path.join(backup_dir, "training_metadata.json")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f)["epoch"])

@@ -11,6 +11,7 @@ import keras
 
 from tfdist.data.base import CLASSIFICATION
 from tfdist.errors import require
+from tfdist.models import common
 
 NAME = "mlp"
 
@@ -23,8 +24,7 @@ def build(info, config) -> keras.Model:
     for index, width in enumerate(config.hidden_sizes):
         x = keras.layers.Dense(width, activation="relu", name=f"dense_{index}")(x)
     x = keras.layers.Dense(info.num_classes, name="logits")(x)
-    # A linear float32 layer casts the logits up, so the loss never sees bf16/fp16.
-    outputs = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(x)
+    outputs = common.float32_logits(x)
     return keras.Model(inputs, outputs, name=NAME)
 
 

@@ -17,8 +17,7 @@ Convolutions before a norm have no bias (the norm's beta replaces it).
 
 import keras
 
-from tfdist.data.base import CLASSIFICATION
-from tfdist.errors import require
+from tfdist.models import common
 
 NAME = "resnet"
 BLOCKS_PER_STAGE = 2
@@ -27,7 +26,7 @@ MIN_DOWNSAMPLED_SIZE = 2
 
 def build(info, config) -> keras.Model:
     """Returns a built ResNet mapping an image batch (N, H, W, C) to float32 logits."""
-    _validate(info)
+    common.validate_image_classifier(NAME, info)
     inputs = keras.Input(info.input_shape, dtype=info.input_dtype, name="images")
     x = _conv_norm(inputs, config.filters[0], 3, 1, "stem_conv", "stem_norm")
     x = keras.layers.ReLU(name="stem_relu")(x)
@@ -40,8 +39,7 @@ def build(info, config) -> keras.Model:
             x = _basic_block(x, width, 2 if downsample else 1, f"stage{stage}_block{block}_")
     x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
     x = keras.layers.Dense(info.num_classes, name="logits")(x)
-    # A linear float32 layer casts the logits up, so the loss never sees bf16/fp16.
-    outputs = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(x)
+    outputs = common.float32_logits(x)
     return keras.Model(inputs, outputs, name=NAME)
 
 
@@ -63,17 +61,3 @@ def _conv_norm(x, width: int, kernel_size: int, stride: int, conv_name: str, nor
     x = keras.layers.Conv2D(width, kernel_size, strides=stride, padding="same",
                             use_bias=False, name=conv_name)(x)
     return keras.layers.BatchNormalization(synchronized=True, name=norm_name)(x)
-
-
-def _validate(info) -> None:
-    require(info.task == CLASSIFICATION,
-            f"Model '{NAME}' needs a classification dataset of images (e.g. digits, "
-            f"synthetic or an image tfds:NAME dataset), but dataset '{info.name}' is "
-            f"a {info.task} dataset. For language modelling use model 'transformer'.")
-    require(len(info.input_shape) == 3,
-            f"Model '{NAME}' needs images shaped (height, width, channels), but "
-            f"dataset '{info.name}' has examples shaped {tuple(info.input_shape)}. "
-            f"Use model 'mlp' for flat features, or e.g. --synthetic_shape 32,32,3.")
-    require(keras.backend.is_float_dtype(info.input_dtype),
-            f"Model '{NAME}' needs floating-point images, but dataset '{info.name}' "
-            f"provides {info.input_dtype}.")

@@ -36,6 +36,7 @@ from keras import ops
 
 from tfdist.data.base import LANGUAGE_MODEL
 from tfdist.errors import require
+from tfdist.models import common
 
 NAME = "transformer"
 LAYER_NORM_EPSILON = 1e-5
@@ -58,7 +59,7 @@ def build(info, config) -> keras.Model:
     x = keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, name="final_norm")(x)
     x = keras.layers.Dense(vocab_size, name="lm_head")(x)
     # A linear float32 layer casts the logits up, so the loss never sees bf16/fp16.
-    logits = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(x)
+    logits = common.float32_logits(x)
     return keras.Model(tokens, logits, name=NAME)
 
 

@@ -23,7 +23,7 @@ SHAPE_CASES = [("mlp", DIGITS), ("mlp", CIFAR), ("cnn", DIGITS), ("cnn", CIFAR),
 
 TRANSFORMER_BLOCK_PATHS = [
     "attention_norm/gamma", "attention_norm/beta",
-    "query/kernel", "query/bias", "key/kernel", "key/bias",
+    "query/kernel", "query/bias", "key/kernel",
     "value/kernel", "value/bias", "attention_output/kernel", "attention_output/bias",
     "mlp_norm/gamma", "mlp_norm/beta",
     "mlp_fc_in/kernel", "mlp_fc_in/bias", "mlp_fc_out/kernel", "mlp_fc_out/bias",

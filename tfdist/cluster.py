@@ -151,7 +151,7 @@ def _decode(text) -> dict:
     if isinstance(text, Mapping):
         return dict(text)
     require(isinstance(text, str) and text.strip() != "",
-            f"TF_CONFIG is empty; expected JSON like "
+            "TF_CONFIG is empty; expected JSON like "
             f"{{\"cluster\": {{\"worker\": [\"host:port\", ...]}}, \"task\": {{\"type\": \"worker\", \"index\": 0}}}}.")
     try:
         config = json.loads(text)

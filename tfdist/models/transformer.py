@@ -10,7 +10,7 @@ tensor-parallel presets match these by regex, so they are a stable interface:
     position_embedding/embeddings           (seq_len, d_model)
     block_{i}/attention_norm/gamma, /beta   (d_model,)
     block_{i}/query/kernel, /bias           (d_model, d_model), (d_model,)
-    block_{i}/key/kernel, /bias             same
+    block_{i}/key/kernel                    same, no bias (softmax cancels it)
     block_{i}/value/kernel, /bias           same
     block_{i}/attention_output/kernel, /bias (d_model, d_model), (d_model,)
     block_{i}/mlp_norm/gamma, /beta         (d_model,)
@@ -102,7 +102,10 @@ class TransformerBlock(keras.layers.Layer):
         self.attention_norm = keras.layers.LayerNormalization(
             epsilon=LAYER_NORM_EPSILON, name="attention_norm")
         self.query = keras.layers.Dense(d_model, name="query")
-        self.key = keras.layers.Dense(d_model, name="key")
+        # No key bias: q.(k + b) adds the same q.b to every key of a query, which
+        # softmax ignores, so its gradient is exactly zero and its value would be
+        # rounding noise (Adam amplifies it) that no two summation orders agree on.
+        self.key = keras.layers.Dense(d_model, use_bias=False, name="key")
         self.value = keras.layers.Dense(d_model, name="value")
         self.attention_output = keras.layers.Dense(d_model, name="attention_output")
         self.mlp_norm = keras.layers.LayerNormalization(

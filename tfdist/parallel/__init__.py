@@ -11,6 +11,8 @@ MODES = Registry("strategy", {
     "one_device": "tfdist.parallel.strategy:build_one_device",
     "mirrored": "tfdist.parallel.strategy:build_mirrored",
     "multi_worker_mirrored": "tfdist.parallel.multi_worker:build_multi_worker",
+    "dtensor": "tfdist.parallel.dtensor:build_dtensor",
+    "pipeline": "tfdist.parallel.pipeline:build_pipeline",
 })
 
 

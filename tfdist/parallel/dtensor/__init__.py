@@ -1,0 +1,125 @@
+"""--strategy=dtensor: tensor parallel and 2-D (batch x model) hybrid via DTensor layouts.
+
+    mesh.py        "batch=2,model=2" -> a dtensor.Mesh (local, or over all clients)
+    layout_map.py  LayoutMap: regex over variable paths -> sharding spec, validated
+    presets.py     --layout data | megatron | a JSON/.py layout file
+    sharding.py    gives a built Keras model and its optimizer DTensor storage
+    update.py      the exact optimizer update (SGD, momentum, Adam, AdamW) on shards
+    step.py        batch-sharded inputs, the train and eval steps
+    checkpoint.py  sharded save / restore (restores onto any mesh)
+
+Order (each step validated before the next touches TensorFlow state): devices,
+mesh, layout map resolved against the model's variable paths and shapes, then
+variables sharded, then the optimizer built on the sharded model.
+"""
+
+import collections
+import logging
+import os
+import shutil
+import tempfile
+from typing import Dict
+
+from tfdist import cluster, devices
+from tfdist.errors import UsageError
+from tfdist.parallel.base import Parallelism
+
+log = logging.getLogger("tfdist")
+
+
+class DTensorParallelism(Parallelism):
+    name = "dtensor"
+
+    def __init__(self, config, mesh, env):
+        from tfdist.parallel.dtensor import mesh as mesh_lib
+        self.config = config
+        self.mesh = mesh
+        self.env = env
+        self.axes = mesh_lib.axes_of(mesh)
+        self.num_replicas = self.axes[mesh_lib.BATCH]
+        self.devices = [str(d) for d in mesh.local_devices()]
+        self.is_chief = env is None or env.client_id == 0
+        self.layouts = {}
+        self.specs = {}
+        self.slots = {}
+        self._scratch_dirs = []
+
+    def validate_global_batch(self, global_batch_size: int) -> None:
+        if global_batch_size % self.num_replicas:
+            raise UsageError(
+                f"--global_batch_size={global_batch_size} is not divisible by the mesh's "
+                f"batch axis of size {self.num_replicas} (mesh {self.describe_mesh()}). "
+                f"Use a multiple of {self.num_replicas}.")
+
+    def describe_mesh(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.axes.items())
+
+    def build_model_and_optimizer(self, model_fn, optimizer_fn):
+        from tfdist.parallel.dtensor import presets, sharding
+        model = model_fn()  # built unsharded (same seed, same values), then moved
+        layout_map = presets.layout_map_for(self.config.layout, self.config.model.name)
+        self.specs = layout_map.resolve(
+            [(v.path, tuple(v.shape)) for v in model.variables], self.axes,
+            strict=self.config.layout_strict)
+        self.layouts = sharding.shard_model(model, self.specs, self.mesh)
+        optimizer, self.slots = sharding.build_sharded_optimizer(optimizer_fn, model, self.layouts,
+                                                        self.mesh)
+        sharded = sum(1 for spec in self.specs.values() if any(a != "unsharded" for a in spec))
+        log.info("dtensor: mesh %s, layout %s: %d of %d variables sharded",
+                 self.describe_mesh(), self.config.layout, sharded, len(self.specs))
+        return model, optimizer
+
+    def distribute(self, dataset_fn):
+        from tfdist.parallel.dtensor.step import ShardedInputs
+        return ShardedInputs(dataset_fn, self.mesh)
+
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        if jit_compile:
+            raise UsageError("--jit_compile is not supported with --strategy=dtensor (DTensor "
+                             "compiles its own SPMD program); drop the flag.")
+        from tfdist.parallel.dtensor import step
+        return step.make_train_step(model, optimizer, self.slots, global_batch_size)
+
+    def make_eval_step(self, model):
+        from tfdist.parallel.dtensor import step
+        return step.make_eval_step(model)
+
+    def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
+        """Bytes of this client's actual shards, per device (other clients report theirs)."""
+        from tfdist.parallel.dtensor import sharding
+        totals = collections.Counter()
+        for variable in list(model.variables) + list(optimizer.variables):
+            itemsize = variable.value.dtype.size
+            for device, shape in sharding.shard_shapes(variable):
+                count = 1
+                for d in shape:
+                    count *= d
+                totals[device] += count * itemsize
+        return dict(totals)
+
+    def write_dir(self, path):
+        if path is None or self.is_chief:
+            return path
+        scratch = tempfile.mkdtemp(prefix=f"tfdist-dtensor-client{self.env.client_id}-")
+        self._scratch_dirs.append(scratch)
+        return scratch
+
+    def close(self) -> None:
+        for scratch in self._scratch_dirs:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._scratch_dirs = []
+
+
+def build_dtensor(config) -> DTensorParallelism:
+    from tfdist.parallel.dtensor import mesh as mesh_lib
+    env = cluster.validate_dtensor_env(os.environ)
+    multi_client = env is not None and env.num_clients > 1
+    local = devices.configure(config.simulate_devices, config.num_gpus)
+    if multi_client:
+        # mesh size is only known once the clients have joined
+        axes = mesh_lib.parse_mesh(config.mesh, len(local) * env.num_clients)
+        mesh = mesh_lib.build_distributed_mesh(axes, local, env)
+    else:
+        axes = mesh_lib.parse_mesh(config.mesh, len(local))
+        mesh = mesh_lib.build_local_mesh(axes, local)
+    return DTensorParallelism(config, mesh, env if multi_client else None)

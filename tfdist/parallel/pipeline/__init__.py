@@ -1,0 +1,143 @@
+"""Pipeline parallelism: layer stages on their own devices, GPipe micro-batches,
+optionally combined with data-parallel replicas.
+
+    --strategy=pipeline --pipeline_stages=S --microbatches=M [--pipeline_split=a,b]
+        [--pipeline_schedule=gpipe|1f1b]
+
+With D devices, S stages and R = D / S replicas, replica r runs stage k on
+device r*S + k. Each global step takes R consecutive per-replica batches (one
+input pipeline), splits each into M micro-batches and runs the GPipe or 1F1B
+schedule (schedule.py); a step is mathematically the full-batch step of one device.
+Modules: partition.py (where to cut), placement.py (what lives where),
+schedule.py (the step).
+"""
+
+import collections
+import logging
+from typing import Dict, List
+
+import keras
+import tensorflow as tf
+
+from tfdist import devices as devices_lib
+from tfdist.errors import require
+from tfdist.parallel.base import Parallelism, add_bytes
+from tfdist.parallel.pipeline import placement, schedule
+from tfdist.parallel.pipeline.partition import Partition, partition_model
+
+log = logging.getLogger("tfdist")
+
+
+class PipelineParallelism(Parallelism):
+    name = "pipeline"
+
+    def __init__(self, device_names: List[str], num_stages: int, microbatches: int,
+                 split=None, schedule_name: str = "gpipe"):
+        self.devices = device_names
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        self.split = split
+        self.schedule = schedule_name
+        self.num_replicas = len(device_names) // num_stages
+        self.partition: Partition = None
+        self.replicas: List[placement.PlacedReplica] = []
+
+    def replica_devices(self, replica: int) -> List[str]:
+        return self.devices[replica * self.num_stages:(replica + 1) * self.num_stages]
+
+    def validate_global_batch(self, global_batch_size: int) -> None:
+        super().validate_global_batch(global_batch_size)
+        per_replica = global_batch_size // self.num_replicas
+        require(per_replica % self.microbatches == 0,
+                f"The per-replica batch of {per_replica} examples (--global_batch_size="
+                f"{global_batch_size} over {self.num_replicas} replica(s)) is not divisible "
+                f"by --microbatches={self.microbatches}. Use a per-replica batch that is a "
+                f"multiple of {self.microbatches}.")
+
+    def build_model_and_optimizer(self, model_fn, optimizer_fn):
+        """Partitions model_fn()'s model; each replica is a copy placed stage by stage.
+
+        Returns replica 0's model (full weights in single-device order) and a
+        StageOptimizers holding every stage optimizer.
+        """
+        # On the host: the whole model never has to fit on one accelerator.
+        with tf.device("/cpu:0"):
+            reference = model_fn()
+        self._refuse_batch_statistics(reference)
+        self.partition = partition_model(reference, self.num_stages, self.split)
+        log.info("%s", self.partition.describe())
+        self.replicas = [placement.place_replica(reference, self.partition,
+                                                 self.replica_devices(r), optimizer_fn)
+                         for r in range(self.num_replicas)]
+        return self.replicas[0].model, placement.StageOptimizers(self.replicas)
+
+    def checkpoint_objects(self, model, optimizer) -> Dict:
+        """Every replica's copy and every stage optimizer: a restore sets them all."""
+        objects = {}
+        for r, replica in enumerate(self.replicas):
+            objects[f"replica_{r}"] = replica.model
+            for stage in replica.stages:
+                objects[f"replica_{r}_stage_{stage.index}_optimizer"] = stage.optimizer
+        return objects
+
+    def _refuse_batch_statistics(self, model) -> None:
+        """BatchNorm over a micro-batch (or one replica's batch) is not the full-batch math."""
+        if self.microbatches == 1 and self.num_replicas == 1:
+            return
+        norms = [layer.name for layer in model.layers
+                 if isinstance(layer, keras.layers.BatchNormalization)]
+        require(not norms,
+                f"Model '{model.name}' has BatchNormalization ({', '.join(norms[:3])}"
+                f"{', ...' if len(norms) > 3 else ''}), which would normalise each of the "
+                f"--microbatches={self.microbatches} micro-batches of each of the "
+                f"{self.num_replicas} replica(s) on its own statistics, not the global "
+                f"batch's. Use --microbatches=1 with as many devices as stages, or a model "
+                f"without BatchNorm.")
+
+    def distribute(self, dataset_fn):
+        context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                             num_replicas_in_sync=self.num_replicas)
+        return dataset_fn(context)
+
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        require(not jit_compile, "--jit_compile is not supported by --strategy=pipeline yet "
+                                 "(each stage would need its own XLA cluster).")
+        return schedule.make_train_step(self.replicas, self.microbatches, global_batch_size,
+                                        self.schedule)
+
+    def make_eval_step(self, model):
+        return schedule.make_eval_step(self.replicas)
+
+    def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
+        totals = collections.Counter()
+        variables = [v for replica in self.replicas for v in replica.model.variables]
+        for variable in variables + list(optimizer.variables):
+            backing = getattr(variable, "value", variable)  # Keras Variable -> tf.Variable
+            add_bytes(totals, backing.device, backing)
+        return dict(totals)
+
+
+def validate_layout(num_devices: int, num_stages: int, device_names: List[str]) -> None:
+    shown = ", ".join(device_names)
+    require(num_stages <= num_devices,
+            f"--pipeline_stages={num_stages} is more than the {num_devices} device(s) "
+            f"available ({shown}); each stage needs its own device.")
+    require(num_devices % num_stages == 0,
+            f"{num_devices} devices ({shown}) do not divide into replicas of "
+            f"--pipeline_stages={num_stages} stages; pipeline x data-parallel needs "
+            f"devices = stages x replicas. Use --simulate_devices (or --num_gpus) that is "
+            f"a multiple of {num_stages}.")
+
+
+def build_pipeline(config) -> PipelineParallelism:
+    require(config.trainer == "loop",
+            f"--trainer={config.trainer} is not supported by --strategy=pipeline; use "
+            f"--trainer=loop (Keras fit cannot drive per-stage devices and optimizers).")
+    require(config.mixed_precision != "mixed_float16",
+            "--mixed_precision=mixed_float16 is not supported by --strategy=pipeline: each "
+            "stage optimizer would keep its own dynamic loss scale. Use mixed_bfloat16.")
+    local = devices_lib.configure(config.simulate_devices, config.num_gpus)
+    validate_layout(len(local), config.pipeline_stages, local)
+    return PipelineParallelism(local, config.pipeline_stages, config.microbatches,
+                               config.pipeline_split, config.pipeline_schedule)
+

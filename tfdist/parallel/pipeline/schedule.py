@@ -1,0 +1,256 @@
+"""Pipeline schedules: one training step of S stages x M micro-batches x R replicas.
+
+Why a step is the full-batch step: each micro-batch's loss is its per-example
+losses summed and divided by the GLOBAL batch (as in tfdist.train.step), so
+the sum over micro-batches and replicas of their gradients is the gradient of
+the global-batch mean loss. Gradients are accumulated per stage in float32 and
+applied once per step; the reported loss is the sum of the micro-batch losses.
+
+How it runs: stage k of replica r is recorded on its own GradientTape per
+micro-batch, under tf.device(stage device). A backward op is
+`tape.gradient(stage output, variables + [stage input], output_gradients=grad
+of stage output)`, so the only tensors that cross devices are the boundary
+activation (forward) and its gradient (backward). A schedule is, per stage,
+the order of its forward and backward ops; each op gets a control dependency
+on the stage's previous op, which is what imposes the order on TensorFlow's
+dataflow executor (across stages, ops run as soon as their inputs arrive):
+- gpipe: all M forwards, then all M backwards (GPipe's flush); a stage holds
+  the activations of all M micro-batches.
+- 1f1b: S-k-1 warm-up forwards, then one forward / one backward (PipeDream-
+  flush); stage k holds at most min(S-k, M) micro-batches' activations.
+Backward ops run in micro-batch order in both, so both give the same numbers.
+
+Hybrid: with R replicas the stage-k gradient sums of all replicas are added on
+replica 0's stage-k device and every replica's stage-k optimizer applies that
+same sum, so the copies stay identical (same ops on the same values).
+
+Names: boundary tensors go through `tf.identity` ops named BOUNDARY_ACTIVATION
+and BOUNDARY_GRADIENT (and a replica's accumulated gradients STAGE_GRADIENT,
+their sum over replicas GRADIENT_SUM, the micro-batch loss MICROBATCH_LOSS;
+the batch is read and split under the name scope INPUT), which lets tests
+recognise every cross-device edge of the placed graph.
+"""
+
+from typing import List, Tuple
+
+import tensorflow as tf
+
+from tfdist.train import step as step_math
+
+BOUNDARY_ACTIVATION = "pipeline_boundary_activation"
+BOUNDARY_GRADIENT = "pipeline_boundary_gradient"
+STAGE_GRADIENT = "pipeline_stage_gradient"
+GRADIENT_SUM = "pipeline_replica_gradient_sum"
+MICROBATCH_LOSS = "pipeline_microbatch_loss"
+INPUT = "pipeline_input"
+FORWARD, BACKWARD = "forward", "backward"
+
+
+def split_microbatches(tensor, microbatches: int) -> list:
+    return tf.split(tensor, microbatches, axis=0) if microbatches > 1 else [tensor]
+
+
+def gpipe_order(num_stages: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
+    """GPipe: every forward, then every backward (all M activations held at once)."""
+    del num_stages, stage
+    return ([(FORWARD, m) for m in range(microbatches)]
+            + [(BACKWARD, m) for m in range(microbatches)])
+
+
+def one_f_one_b_order(num_stages: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
+    """1F1B (PipeDream-flush): S-k-1 warm-up forwards, then alternate one forward and
+    one backward; stage k never holds more than min(S - k, M) micro-batches' activations."""
+    warmup = min(num_stages - stage - 1, microbatches)
+    order = [(FORWARD, m) for m in range(warmup)]
+    for b in range(microbatches):
+        if warmup + b < microbatches:
+            order.append((FORWARD, warmup + b))
+        order.append((BACKWARD, b))
+    return order
+
+
+SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+
+
+class _ReplicaRun:
+    """The tensors of one replica's step, filled in as the schedule's ops are built."""
+
+    def __init__(self, stages, x_parts, y_parts, global_batch_size, replica):
+        self.stages, self.y_parts, self.replica = stages, y_parts, replica
+        self.global_batch_size = global_batch_size
+        num_stages = len(stages)
+        self.act = {(-1, m): x for m, x in enumerate(x_parts)}  # (k, m): stage k's output
+        self.grad = {(num_stages - 1, m): None for m in range(len(x_parts))}  # d loss/d act
+        self.tapes = {}
+        self.sums = [None] * num_stages     # per stage: variable gradients, summed over m
+        self.previous = [[] for _ in stages]  # per stage: outputs of its last scheduled op
+
+    def ready(self, kind: str, k: int, m: int) -> bool:
+        if kind == FORWARD:
+            return (k - 1, m) in self.act
+        return (k, m) in self.act and (k, m) in self.grad
+
+    def build(self, kind: str, k: int, m: int) -> None:
+        stage = self.stages[k]
+        scope = f"replica_{self.replica}_stage_{k}_{kind}"
+        # The control dependency on the stage's previous op is what imposes the order.
+        with tf.device(stage.device), tf.name_scope(scope), \
+                tf.control_dependencies(self.previous[k]):
+            outputs = self._forward(stage, m) if kind == FORWARD else self._backward(stage, m)
+        self.previous[k] = outputs
+
+    def _forward(self, stage, m: int) -> list:
+        k, last = stage.index, stage.index == len(self.stages) - 1
+        h = self.act[(k - 1, m)]
+        tape = tf.GradientTape()  # watches the stage's variables as they are read
+        with tape:
+            if k > 0:
+                tape.watch(h)
+            out = stage.model(h, training=True)
+            if last:
+                out = tf.nn.compute_average_loss(
+                    step_math.per_example_loss(self.y_parts[m], out),
+                    global_batch_size=self.global_batch_size)
+            out = tf.identity(out, name=MICROBATCH_LOSS if last else BOUNDARY_ACTIVATION)
+        self.tapes[(k, m)] = tape
+        self.act[(k, m)] = out
+        return [out]
+
+    def _backward(self, stage, m: int) -> list:
+        k = stage.index
+        sources = list(stage.variables) + ([self.act[(k - 1, m)]] if k > 0 else [])
+        grads = self.tapes.pop((k, m)).gradient(self.act[(k, m)], sources,
+                                                output_gradients=self.grad[(k, m)])
+        grads = [_zeros_if_none(g, v) for g, v in zip(grads, sources)]
+        var_grads = grads[:len(stage.variables)]
+        # Backward ops run in micro-batch order in every schedule: the same sums.
+        self.sums[k] = var_grads if self.sums[k] is None else [
+            accumulate(a, b) for a, b in zip(self.sums[k], var_grads)]
+        if k == 0:
+            return [g.values if isinstance(g, tf.IndexedSlices) else g for g in var_grads]
+        self.grad[(k - 1, m)] = tf.identity(grads[-1], name=BOUNDARY_GRADIENT)
+        return [self.grad[(k - 1, m)]]
+
+
+def run_replica(stages, x_parts, y_parts, global_batch_size, schedule: str, replica: int = 0):
+    """Builds one replica's forward and backward ops in schedule order.
+
+    Returns (micro-batch losses, per stage its variable gradients summed over m).
+    """
+    run = _ReplicaRun(stages, x_parts, y_parts, global_batch_size, replica)
+    num_stages, microbatches = len(stages), len(x_parts)
+    pending = [list(SCHEDULES[schedule](num_stages, microbatches, k)) for k in range(num_stages)]
+    while any(pending):
+        progressed = False
+        for k in range(num_stages):  # each stage builds its next op once its inputs exist
+            while pending[k] and run.ready(pending[k][0][0], k, pending[k][0][1]):
+                kind, m = pending[k].pop(0)
+                run.build(kind, k, m)
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {pending}")
+    losses = [run.act[(num_stages - 1, m)] for m in range(microbatches)]
+    grads = []
+    for stage, sums in zip(stages, run.sums):
+        with tf.device(stage.device):
+            # Named so the hybrid's transfer of it to replica 0 is recognisable.
+            grads.append([_named(g, STAGE_GRADIENT) for g in sums])
+    return losses, grads
+
+
+def _zeros_if_none(grad, source):
+    return tf.zeros_like(source) if grad is None else grad  # unused on this path
+
+
+def accumulate(total, grad):
+    """total + grad; IndexedSlices (embedding lookups) are concatenated, not densified.
+
+    Why: Keras' optimizers apply IndexedSlices per slice (Adam's second moment
+    squares each slice, not the sum of duplicate rows), so the one-device step,
+    which gets one slice per looked-up token, is only reproduced by the same
+    slices in the same order: micro-batch after micro-batch, replica after replica.
+    """
+    if isinstance(total, tf.IndexedSlices) or isinstance(grad, tf.IndexedSlices):
+        total, grad = _as_slices(total), _as_slices(grad)
+        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
+                                tf.concat([total.indices, grad.indices], 0),
+                                total.dense_shape)
+    return total + grad
+
+
+def _as_slices(grad):
+    if isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows = tf.range(tf.shape(grad, out_type=tf.int64)[0])
+    return tf.IndexedSlices(grad, rows, tf.shape(grad, out_type=tf.int64))
+
+
+def _sum(parts):
+    """Sum of one gradient over replicas, in replica order."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = accumulate(total, part)
+    return total
+
+
+def apply_gradients(replicas, replica_grads) -> None:
+    """Sums stage-k gradients over replicas on replica 0's device; every copy applies the sum."""
+    for k in range(len(replicas[0].stages)):
+        per_replica = [grads[k] for grads in replica_grads]
+        with tf.device(replicas[0].stages[k].device):
+            total = per_replica[0] if len(per_replica) == 1 else [
+                _named(_sum(parts), GRADIENT_SUM) for parts in zip(*per_replica)]
+        for replica in replicas:
+            stage = replica.stages[k]
+            with tf.device(stage.device):
+                stage.optimizer.apply(total, stage.variables)
+
+
+def _named(grad, name):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values, name=name),
+                                tf.identity(grad.indices, name=name), grad.dense_shape)
+    return tf.identity(grad, name=name)
+
+
+def make_train_step(replicas, microbatches: int, global_batch_size: int,
+                    schedule: str = "gpipe"):
+    """Returns a tf.function step(iterator) -> global-batch mean loss."""
+
+    @tf.function
+    def train_step(iterator):
+        losses, replica_grads = [], []
+        for r, replica in enumerate(replicas):
+            with tf.name_scope(INPUT):
+                x, y = next(iterator)  # R consecutive per-replica batches make one global step
+                x_parts = split_microbatches(x, microbatches)
+                y_parts = split_microbatches(y, microbatches)
+            replica_losses, grads = run_replica(replica.stages, x_parts, y_parts,
+                                                global_batch_size, schedule, r)
+            losses.extend(replica_losses)
+            replica_grads.append(grads)
+        apply_gradients(replicas, replica_grads)
+        return tf.add_n(losses)
+
+    return train_step
+
+
+def make_eval_step(replicas):
+    """Returns a tf.function step(iterator) -> (weighted loss sum, correct sum, weight sum)."""
+    # The shared eval math, fed the last stage's logits (the "model" is the identity).
+    sums_from_logits = step_math.replica_eval_step(lambda logits, training: logits)
+
+    @tf.function
+    def eval_step(iterator):
+        totals = []
+        for replica in replicas:
+            x, y, weight = next(iterator)
+            h = x
+            for stage in replica.stages:
+                with tf.device(stage.device):
+                    h = stage.model(h, training=False)
+            with tf.device(replica.stages[-1].device):
+                totals.append(sums_from_logits(h, y, weight))
+        return tuple(tf.add_n(list(column)) for column in zip(*totals))
+
+    return eval_step

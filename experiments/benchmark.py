@@ -10,6 +10,8 @@ Suites:
              --collectives choice (nccl only where there are GPUs).
   throughput 2 workers vs 1 worker (one thread each) on a compute-bound MLP,
              and PyTorch DDP gloo when torch is installed.
+  bubble     pipeline step time against micro-batches M and stages S, next to the
+             GPipe bubble formula (S-1)/(M+S-1).
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -25,7 +27,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput")
+SUITES = ("loop", "allreduce", "throughput", "bubble")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -97,6 +99,9 @@ def main(argv):
             return allreduce_worker()
         if FLAGS.suite == "allreduce":
             rows = run_allreduce_suite()
+        elif FLAGS.suite == "bubble":
+            from tfdist.benchmarks import bubble
+            rows = bubble.bubble_rows(stages=(2, 4), microbatches=(1, 2, 4, 8))
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

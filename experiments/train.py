@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 
 # Mode and devices.
 flags.DEFINE_string("strategy", "mirrored",
-                    "default, one_device, mirrored, multi_worker_mirrored.")
+                    "default, one_device, mirrored, multi_worker_mirrored, dtensor, pipeline.")
 flags.DEFINE_integer("simulate_devices", int(os.environ.get("TFDIST_SIMULATE_DEVICES", cfg.AUTO)),
                      "Split the CPU into N logical devices (0: don't; -1: 2 when no GPU). "
                      "Default from $TFDIST_SIMULATE_DEVICES, which `tfdist launch` sets.")

@@ -72,5 +72,7 @@ def test_cli_contract_launch_of_experiments_train(tmp_path):
     candidate = equivalence.from_results_json(f"{tmp_path}/m.json")
     assert not equivalence.loss_mismatches(reference, candidate)
     assert "[worker 1]" in multi.stdout and "[worker 0]" in multi.stdout
-    # Chief-only side effects: one TensorBoard tree, written by worker 0 alone.
-    assert sorted(os.listdir(tmp_path / "run")) == ["eval", "train"]
+    # Chief-only side effects: one checkpoint list and one TensorBoard events file
+    # per writer, from worker 0 alone (the other worker's scratch dirs are gone).
+    assert {"checkpoints.json", "run.json", "eval", "train"} <= set(os.listdir(tmp_path / "run"))
+    assert len(os.listdir(tmp_path / "run" / "train")) == 1

@@ -3,7 +3,6 @@
 import glob
 import io
 import json
-import os
 
 import pytest
 

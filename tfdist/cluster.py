@@ -152,7 +152,7 @@ def _decode(text) -> dict:
         return dict(text)
     require(isinstance(text, str) and text.strip() != "",
             "TF_CONFIG is empty; expected JSON like "
-            f"{{\"cluster\": {{\"worker\": [\"host:port\", ...]}}, \"task\": {{\"type\": \"worker\", \"index\": 0}}}}.")
+            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}.')
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:

@@ -45,6 +45,9 @@ def fingerprint(config, model) -> Dict:
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
         "layout": config.layout if config.strategy == "dtensor" else None,
+        # A pipeline checkpoint holds per-replica, per-stage objects.
+        "pipeline": ([config.pipeline_stages, config.simulate_devices]
+                     if config.strategy == "pipeline" else None),
         "variables": [[v.path, list(v.shape)] for v in model.variables],
     }))
 

@@ -367,3 +367,14 @@ def test_checkpoint_reshards_on_restore(tmp_path):
             kernel = model2.get_layer("dense_0").kernel
             assert dtensor.fetch_layout(kernel.value).sharding_specs == ["unsharded", "model"]
             assert [s for _, s in sharding.shard_shapes(kernel)] == [(64, 25)] * 4
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (dict(trainer="fit"), "--trainer=fit is not supported by --strategy=dtensor"),
+    (dict(mixed_precision="mixed_bfloat16"), "--mixed_precision=mixed_bfloat16 is not supported"),
+])
+def test_unsupported_options_are_refused_before_training(overrides, expected):
+    from tfdist.parallel.dtensor import build_dtensor
+    config = make_config("dtensor", "mlp", "sgd", "batch=2,model=2", "megatron")
+    with pytest.raises(UsageError, match=expected):
+        build_dtensor(dataclasses.replace(config, **overrides))

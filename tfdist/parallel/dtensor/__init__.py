@@ -21,7 +21,7 @@ import tempfile
 from typing import Dict
 
 from tfdist import cluster, devices
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, require
 from tfdist.parallel.base import Parallelism
 
 log = logging.getLogger("tfdist")
@@ -112,6 +112,12 @@ class DTensorParallelism(Parallelism):
 
 def build_dtensor(config) -> DTensorParallelism:
     from tfdist.parallel.dtensor import mesh as mesh_lib
+    require(config.trainer == "loop",
+            f"--trainer={config.trainer} is not supported by --strategy=dtensor; use "
+            f"--trainer=loop (Keras fit knows nothing of the sharded variables).")
+    require(config.mixed_precision is None,
+            f"--mixed_precision={config.mixed_precision} is not supported by "
+            f"--strategy=dtensor yet (its updates are written for float32 variables).")
     env = cluster.validate_dtensor_env(os.environ)
     multi_client = env is not None and env.num_clients > 1
     local = devices.configure(config.simulate_devices, config.num_gpus)

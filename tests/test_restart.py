@@ -17,7 +17,7 @@ from tfdist import data
 from tfdist.config import DataConfig
 from tfdist.data import pipeline
 
-STEPS = 1500
+STEPS = 900
 BATCH = 32
 SEED = 3
 FLAGS = ["--model=mlp", "--optimizer=adam", f"--global_batch_size={BATCH}", f"--seed={SEED}",

@@ -87,10 +87,12 @@ def run(config: RunConfig, return_model: bool = False):
     log.info("strategy %s: %d replica(s) on %s; %s on %s, %d steps of %d examples",
              parallel.name, parallel.num_replicas, ", ".join(parallel.devices),
              config.model.name, config.data.name, steps, config.global_batch_size)
-    with parallel.translate_failures():
-        loop_result = train(config, parallel, source, model, optimizer, steps)
-    results = results_dict(config, parallel, steps, loop_result, model, optimizer)
-    if config.results_json and parallel.is_chief:
-        write_results(config.results_json, results)
-    parallel.close()
+    try:
+        with parallel.translate_failures():
+            loop_result = train(config, parallel, source, model, optimizer, steps)
+        results = results_dict(config, parallel, steps, loop_result, model, optimizer)
+        if config.results_json and parallel.is_chief:
+            write_results(config.results_json, results)
+    finally:
+        parallel.close()  # also on preemption or a peer failure: no scratch dirs left
     return (results, model) if return_model else results

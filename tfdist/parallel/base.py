@@ -9,6 +9,8 @@ mode it runs.
 import abc
 import collections
 import contextlib
+import shutil
+import tempfile
 from typing import Callable, Dict, Iterable, List
 
 from tfdist.errors import require
@@ -19,6 +21,7 @@ class Parallelism(abc.ABC):
     num_replicas: int          # how many ways each global batch is split
     devices: List[str]
     is_chief: bool = True      # the process that writes results, logs and checkpoints
+    _scratch_dirs = ()         # write_dir's scratch dirs, removed by close()
 
     def validate_global_batch(self, global_batch_size: int) -> None:
         require(global_batch_size % self.num_replicas == 0,
@@ -69,15 +72,24 @@ class Parallelism(abc.ABC):
         return flag
 
     def write_dir(self, path):
-        """Where this process writes logs under `path` (non-chief workers: a scratch dir)."""
-        return path
+        """Where this process writes under `path`: the chief writes there; any other
+        process gets a scratch dir, removed at close (TF's multi-worker write-path
+        pattern: every process takes part in a save, only the chief's copy is kept)."""
+        if path is None or self.is_chief:
+            return path
+        scratch = tempfile.mkdtemp(prefix="tfdist-not-chief-")
+        self._scratch_dirs = (*self._scratch_dirs, scratch)
+        return scratch
 
     def translate_failures(self):
         """Context that turns the mode's infrastructure failures into clear errors."""
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        """Releases what the mode holds (servers, temporary dirs)."""
+        """Releases what the mode holds (here: the scratch dirs of write_dir)."""
+        for scratch in self._scratch_dirs:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._scratch_dirs = ()
 
 
 def add_bytes(totals: collections.Counter, device: str, tensor_like) -> None:

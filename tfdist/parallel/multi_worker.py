@@ -15,8 +15,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
-import tempfile
 
 import tensorflow as tf
 
@@ -123,22 +121,13 @@ def peer_failure_summary(message: str) -> str:
 
 
 class MultiWorkerParallelism(StrategyParallelism):
-    """StrategyParallelism plus chief-only writes (TF's write-path pattern)."""
+    """StrategyParallelism whose chief is worker 0 (non-chiefs write to scratch dirs)."""
 
     def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig):
         super().__init__("multi_worker_mirrored", strategy, local_devices)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
-        self._scratch_dirs = []
         self._any_fn = None
-
-    def write_dir(self, path):
-        """The chief writes to `path`; other workers to a scratch dir removed at close."""
-        if path is None or self.is_chief:
-            return path
-        scratch = tempfile.mkdtemp(prefix=f"tfdist-worker{self.tf_config.rank}-")
-        self._scratch_dirs.append(scratch)
-        return scratch
 
     def any_process(self, flag: bool) -> bool:
         """A SUM all-reduce of the 0/1 flag (ReduceOp has no MAX), so every worker
@@ -167,11 +156,6 @@ class MultiWorkerParallelism(StrategyParallelism):
                 f"stopped answering during training ({type(error).__name__}: {summary}). "
                 f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts "
                 f"the group.") from None
-
-    def close(self):
-        for scratch in self._scratch_dirs:
-            shutil.rmtree(scratch, ignore_errors=True)
-        self._scratch_dirs = []
 
 
 def build_multi_worker(config) -> MultiWorkerParallelism:

@@ -132,7 +132,6 @@ class TrainingLoop:
         return loss, accuracy
 
 
-
 def evaluate(parallel, eval_step, source, config):
     """Mean loss and accuracy over the whole test split (every example once)."""
     dataset_fn = pipeline.eval_dataset_fn(source, config.global_batch_size, config.data)

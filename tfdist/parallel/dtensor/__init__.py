@@ -15,9 +15,8 @@ variables sharded, then the optimizer built on the sharded model.
 
 import collections
 import logging
+import math
 import os
-import shutil
-import tempfile
 from typing import Dict
 
 from tfdist import cluster, devices
@@ -42,7 +41,6 @@ class DTensorParallelism(Parallelism):
         self.layouts = {}
         self.specs = {}
         self.slots = {}
-        self._scratch_dirs = []
 
     def validate_global_batch(self, global_batch_size: int) -> None:
         if global_batch_size % self.num_replicas:
@@ -91,23 +89,9 @@ class DTensorParallelism(Parallelism):
         for variable in list(model.variables) + list(optimizer.variables):
             itemsize = variable.value.dtype.size
             for device, shape in sharding.shard_shapes(variable):
-                count = 1
-                for d in shape:
-                    count *= d
-                totals[device] += count * itemsize
+                totals[device] += math.prod(shape) * itemsize
         return dict(totals)
 
-    def write_dir(self, path):
-        if path is None or self.is_chief:
-            return path
-        scratch = tempfile.mkdtemp(prefix=f"tfdist-dtensor-client{self.env.client_id}-")
-        self._scratch_dirs.append(scratch)
-        return scratch
-
-    def close(self) -> None:
-        for scratch in self._scratch_dirs:
-            shutil.rmtree(scratch, ignore_errors=True)
-        self._scratch_dirs = []
 
 
 def build_dtensor(config) -> DTensorParallelism:

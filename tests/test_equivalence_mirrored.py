@@ -39,3 +39,23 @@ def test_mirrored_matches_default(model, optimizer, devices):
     assert len(candidate.losses) == STEPS
     # It trained, not just matched: the last steps' mean loss is below the first steps'.
     assert sum(candidate.losses[-5:]) < sum(candidate.losses[:5])
+
+
+def test_mirrored_resnet_with_synchronized_batch_norm_matches_default(devices=2):
+    """Through tfdist's own step: a nested tf.function there once made the
+    synchronized BatchNorm's all-reduce fail (merge_call in a nested function)."""
+    candidate = equivalence.train(make_config("mirrored", "resnet", "sgd", devices),
+                                  f"mirrored x{devices}")
+    equivalence.assert_equivalent(reference("resnet", "sgd"), candidate)
+
+
+def test_jit_compile_with_synchronized_batch_norm_on_replicas_is_refused():
+    from tfdist import data, parallel
+    from tfdist.errors import UsageError
+    from tfdist.train import runner
+    config = make_config("mirrored", "resnet", "sgd", 2)
+    mode = parallel.build_parallelism(config)
+    model, optimizer = runner.build_model_and_optimizer(
+        config, mode, data.get_source(config.data).info)
+    with pytest.raises(UsageError, match="synchronized BatchNorm layers \\(stem_norm"):
+        mode.make_train_step(model, optimizer, GLOBAL_BATCH, jit_compile=True)

@@ -9,10 +9,11 @@ already divided by the global batch).
 import collections
 from typing import Dict, List
 
+import keras
 import tensorflow as tf
 
 from tfdist import devices
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, require
 from tfdist.parallel.base import Parallelism, add_bytes
 from tfdist.train import step as step_math
 
@@ -35,6 +36,8 @@ class StrategyParallelism(Parallelism):
         return self.strategy.distribute_datasets_from_function(dataset_fn)
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        if jit_compile and self.num_replicas > 1:
+            _refuse_synchronized_norms_under_xla(model, self.num_replicas)
         replica_step = step_math.make_replica_train_step(
             model, optimizer, global_batch_size, jit_compile)
 
@@ -64,6 +67,17 @@ class StrategyParallelism(Parallelism):
             for component in components:
                 add_bytes(totals, component.device, component)
         return dict(totals)
+
+
+def _refuse_synchronized_norms_under_xla(model, num_replicas: int) -> None:
+    """A synchronized BatchNorm all-reduces inside the step; XLA clusters cannot."""
+    norms = [layer.name for layer in model.layers
+             if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
+    require(not norms,
+            f"--jit_compile cannot compile model '{model.name}' on {num_replicas} replicas: its "
+            f"synchronized BatchNorm layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
+            f"all-reduce batch statistics inside the step, which an XLA cluster cannot hold. "
+            f"Drop --jit_compile, or use one device.")
 
 
 def build_default(config) -> StrategyParallelism:

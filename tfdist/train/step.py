@@ -27,9 +27,13 @@ def per_example_correct(labels, logits):
 
 
 def make_loss_and_grads(model, optimizer, global_batch_size: int, jit_compile: bool):
-    """Returns fn(x, y) -> (loss, grads); XLA-compiled when asked (no collectives inside)."""
+    """Returns fn(x, y) -> (loss, grads); XLA-compiled when asked (no collectives inside).
 
-    @tf.function(jit_compile=jit_compile)
+    Only the XLA case is a nested tf.function: a synchronized BatchNorm all-reduces
+    its batch statistics (a merge_call), which TF refuses inside a nested
+    tf.function, so without XLA the caller's tf.function traces this directly.
+    """
+
     def loss_and_grads(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
@@ -39,7 +43,7 @@ def make_loss_and_grads(model, optimizer, global_batch_size: int, jit_compile: b
         grads = tape.gradient(scaled, model.trainable_variables)
         return loss, grads
 
-    return loss_and_grads
+    return tf.function(loss_and_grads, jit_compile=True) if jit_compile else loss_and_grads
 
 
 def make_replica_train_step(model, optimizer, global_batch_size: int, jit_compile: bool):

@@ -9,7 +9,7 @@ from conftest import DTENSOR_PROCESS
 from helpers import REPO
 
 DTENSOR_TESTS = ["tests/test_dtensor.py", "tests/test_dtensor_multiclient.py",
-                 "tests/test_checkpoint_modes.py"]
+                 "tests/test_checkpoint_modes.py", "tests/test_dtensor_plan.py"]
 
 
 def test_every_dtensor_case_in_a_fresh_process():

@@ -5,6 +5,7 @@
     tfdist tf-config --hosts HOST:PORT,... --index I [--chief] [--port P]
     tfdist tf-config --slurm [--port P] [--chief]
     tfdist doctor
+    tfdist plan --devices N --memory_per_device SIZE [--model ... | --params P] [--json]
 
 Subcommands live in SUBCOMMANDS (name -> Subcommand); each handler gets its own
 argv and imports what it needs lazily, so `tfdist tf-config` never pays for
@@ -237,10 +238,16 @@ class Subcommand:
 # Extension point: a subcommand is one entry here. The planned `tfdist plan` becomes
 #   "plan": Subcommand("estimate memory per device and recommend a layout", plan_command),
 # with plan_command importing tfdist.plan inside itself, like launch_command does.
+def plan_command(argv: List[str]) -> int:
+    from tfdist.plan import command
+    return command.main(argv)
+
+
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "launch": Subcommand("start N local workers with TF_CONFIG (the torchrun of TensorFlow)", launch_command),
     "tf-config": Subcommand("print the TF_CONFIG JSON of one rank of a real cluster", tf_config_command),
     "doctor": Subcommand("print versions, devices, NCCL, interconnect and cluster variables", doctor_command),
+    "plan": Subcommand("estimate memory per device and recommend the simplest plan that fits", plan_command),
 }
 
 

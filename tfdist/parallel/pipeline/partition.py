@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import keras
 
-from tfdist.errors import UsageError, require
+from tfdist.errors import require
+from tfdist.parallel.pipeline_balance import balanced_cuts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ def partition_model(model, num_stages: int, split: Optional[Sequence[str]] = Non
         cuts = _named_cuts(model, layers, names, num_stages, split)
     else:
         valid = [i for i in range(1, len(layers)) if _cut_problem(model, layers, i) is None]
-        cuts = _balanced_cuts(costs, num_stages, valid, model.name)
+        cuts = balanced_cuts(costs, num_stages, valid, model.name)
     return _make_partition(layers, costs, cuts)
 
 
@@ -147,31 +148,6 @@ def _named_cuts(model, layers, names, num_stages, split) -> List[int]:
         require(problem is None, f"Model '{model.name}' cannot be cut at --pipeline_split "
                                  f"{names[cut]!r}: {problem}.")
     return cuts
-
-
-def _balanced_cuts(costs, num_stages, valid, model_name) -> List[int]:
-    """Min-max contiguous partition over the valid cut points (dynamic programming)."""
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    ends = sorted(set(valid) | {n})
-    # best[s][e]: (max stage cost, cuts) for layers [0, e) in s stages ending at a valid end.
-    best = [dict() for _ in range(num_stages + 1)]
-    best[0][0] = (0, [])
-    for s in range(1, num_stages + 1):
-        for end in ends:
-            for start, (worst, cuts) in best[s - 1].items():
-                if start >= end:
-                    continue
-                candidate = (max(worst, prefix[end] - prefix[start]),
-                             cuts + ([start] if start else []))
-                if end not in best[s] or candidate[0] < best[s][end][0]:
-                    best[s][end] = candidate
-    if n not in best[num_stages]:
-        raise UsageError(f"Model '{model_name}' has only {len(valid)} place(s) where one tensor "
-                         f"crosses between layers, too few for {num_stages} stages.")
-    return best[num_stages][n][1]
 
 
 def _make_partition(layers, costs, cuts) -> Partition:

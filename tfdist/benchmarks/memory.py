@@ -1,0 +1,52 @@
+"""The planner's transient estimate against TensorFlow's allocator, on one device.
+
+A training step's transient memory (peak during the step minus what was live
+before it: the weights, slots and input buffers) is what the planner calls
+gradients + activations. TF 2.21 reports allocator statistics for CPU devices
+too (`tf.config.experimental.get_memory_info`), so this runs here; the error is
+(estimate - measured) / measured.
+
+    from tfdist.benchmarks.memory import compare
+    row = compare(["--model=mlp", "--dataset=digits", "--global_batch_size=64"])
+"""
+
+import shlex
+from typing import Dict, List
+
+from tfdist import config as cfg, data, parallel as parallel_lib
+from tfdist.data import pipeline
+from tfdist.plan import command
+from tfdist.plan.memory import Candidate, per_device
+from tfdist.train import runner
+
+
+def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0") -> int:
+    """Peak minus live bytes on `device` over one (already traced) training step."""
+    import tensorflow as tf
+    parallel = parallel_lib.build_parallelism(config)
+    source = data.get_source(config.data)
+    model, optimizer = runner.build_model_and_optimizer(config, parallel, source.info)
+    step = parallel.make_train_step(model, optimizer, config.global_batch_size, False)
+    dataset_fn = pipeline.train_dataset_fn(source, config.global_batch_size, config.seed,
+                                           config.data)
+    iterator = iter(parallel.distribute(dataset_fn))
+    float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
+    float(step(iterator))
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    float(step(iterator))
+    return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def compare(plan_flags: List[str]) -> Dict:
+    """One row: the planner's gradients + activations for one device, and the measurement."""
+    args, work, _ = command.parse(["--devices=1", "--memory_per_device=1TiB", *plan_flags])
+    estimate = per_device(Candidate("default", 1, replicas=1), work)[0]
+    config = cfg.RunConfig(strategy="default", simulate_devices=0, model=command.model_config(args),
+                           data=command.data_config(args), optimizer=args.optimizer,
+                           global_batch_size=args.global_batch_size, train_steps=3)
+    measured = measured_transient_bytes(config)
+    predicted = estimate.gradients + estimate.activations
+    return {"config": shlex.join(plan_flags), "gradients": estimate.gradients,
+            "activations": estimate.activations, "estimate": predicted, "measured": measured,
+            "error": round((predicted - measured) / measured, 3)}

@@ -1,0 +1,231 @@
+"""`tfdist plan`: flags -> Workload + Hardware -> a table (or JSON) and the command to run.
+
+    tfdist plan --model transformer --d_model 1024 --num_layers 24 --dataset text \\
+        --optimizer adam --global_batch_size 64 --devices 8 --memory_per_device 16GiB
+    tfdist plan --params 7e9 --devices 8 --memory_per_device 80GiB --json
+
+Model and dataset flags are experiments/train.py's, with the same defaults.
+Exit status: 0 with a plan, 1 when nothing fits (the answer says by how much),
+2 for impossible input. Never imports TensorFlow.
+"""
+
+import dataclasses
+import json
+import re
+import shlex
+from typing import Dict, List, Optional
+
+from tfdist import config as cfg
+from tfdist.errors import require
+from tfdist.plan import inventory as inventory_lib
+from tfdist.plan.memory import Workload
+from tfdist.plan.recommend import Evaluated, Hardware, Plan, device_names, gib, recommend, summarize
+
+EXIT_NO_FIT = 1
+DTYPES = ("float32", "mixed_bfloat16", "mixed_float16")
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
+         "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    try:
+        value = float(match.group(1)) if match else None
+    except ValueError:
+        value = None
+    require(value is not None and unit in UNITS and value > 0,
+            f"--memory_per_device must be a positive size like 16GiB, 80GB or 512MiB, "
+            f"got {text!r}.")
+    return int(value * UNITS[unit])
+
+
+def build_parser():
+    from tfdist.cli import ArgumentParser
+    p = ArgumentParser(prog="tfdist plan", description="Estimates the memory per device of "
+                       "each way to run a model and recommends the simplest plan that fits.")
+    p.add_argument("--devices", type=int, required=True, help="devices in the job (all workers)")
+    p.add_argument("--memory_per_device", required=True, help="e.g. 16GiB, 80GB, 512MiB")
+    p.add_argument("--workers", type=int, default=1, help="processes the devices are spread over")
+    p.add_argument("--device_type", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: print --simulate_devices (a CPU-only host); gpu: --num_gpus")
+    p.add_argument("--reserve", type=float, default=0.1,
+                   help="fraction of each device's memory kept free for the framework")
+    p.add_argument("--model", default="cnn", help="mlp, cnn, resnet, transformer")
+    p.add_argument("--params", type=float, default=None,
+                   help="plan for a model known only by its parameter count (e.g. 7e9)")
+    p.add_argument("--hidden_sizes", default="100,50")
+    p.add_argument("--filters", default="32,64")
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--d_model", type=int, default=64)
+    p.add_argument("--num_heads", type=int, default=4)
+    p.add_argument("--d_ff", type=int, default=256)
+    p.add_argument("--dataset", default="digits", help="digits, text, synthetic")
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--synthetic_shape", default="28,28,1")
+    p.add_argument("--synthetic_classes", type=int, default=10)
+    p.add_argument("--optimizer", default="adam", help=", ".join(cfg.OPTIMIZERS))
+    p.add_argument("--dtype", default="float32", help=", ".join(DTYPES))
+    p.add_argument("--global_batch_size", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def parse(argv: List[str]):
+    """Validated (args, Workload, Hardware); every mistake is a UsageError naming the value."""
+    args = build_parser().parse_args(argv)
+    require(args.devices >= 1, f"--devices must be >= 1, got {args.devices}.")
+    require(args.workers >= 1 and args.devices % args.workers == 0,
+            f"--workers must be >= 1 and divide --devices; got --workers {args.workers} "
+            f"for --devices {args.devices}.")
+    require(0 <= args.reserve < 1, f"--reserve must be in [0, 1), got {args.reserve}.")
+    require(args.global_batch_size >= 1,
+            f"--global_batch_size must be >= 1, got {args.global_batch_size}.")
+    require(args.optimizer in cfg.OPTIMIZERS,
+            f"Unknown --optimizer {args.optimizer!r}. Valid choices: {', '.join(cfg.OPTIMIZERS)}.")
+    require(args.dtype in DTYPES,
+            f"Unknown --dtype {args.dtype!r}. Valid choices: {', '.join(DTYPES)}.")
+    hardware = Hardware(args.devices, parse_bytes(args.memory_per_device), args.workers,
+                        args.device_type, args.reserve)
+    inventory, known = _inventory(args)
+    mixed = None if args.dtype == "float32" else args.dtype
+    return args, Workload(inventory, args.optimizer, args.global_batch_size, mixed, known), hardware
+
+
+def _inventory(args):
+    if args.params is not None:
+        require(args.params >= 1, f"--params must be >= 1, got {args.params:g}.")
+        return inventory_lib.from_param_count(int(args.params), args.num_layers), False
+    return inventory_lib.inventory(model_config(args), data_config(args)), True
+
+
+def model_config(args) -> cfg.ModelConfig:
+    return cfg.ModelConfig(name=args.model,
+                           hidden_sizes=cfg.parse_ints(args.hidden_sizes, "hidden_sizes"),
+                           filters=cfg.parse_ints(args.filters, "filters"),
+                           num_layers=args.num_layers, d_model=args.d_model,
+                           num_heads=args.num_heads, d_ff=args.d_ff)
+
+
+def data_config(args) -> cfg.DataConfig:
+    return cfg.DataConfig(name=args.dataset, seq_len=args.seq_len,
+                          synthetic_shape=cfg.parse_ints(args.synthetic_shape, "synthetic_shape"),
+                          synthetic_classes=args.synthetic_classes)
+
+
+# --------------------------------------------------------------------------- the command it prints
+
+MODEL_FLAGS = {"mlp": ("hidden_sizes",), "cnn": ("filters",), "resnet": ("filters",),
+               "transformer": ("num_layers", "d_model", "num_heads", "d_ff")}
+DATASET_FLAGS = {"digits": (), "text": ("seq_len",),
+                 "synthetic": ("synthetic_shape", "synthetic_classes")}
+
+
+def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
+    """experiments/train.py flags that run the chosen candidate (model and data as given)."""
+    c = evaluated.candidate
+    flags = [f"--strategy={c.strategy}", f"--model={args.model}"]
+    flags += [f"--{name}={getattr(args, name)}" for name in MODEL_FLAGS[args.model]]
+    flags += [f"--dataset={args.dataset}"]
+    flags += [f"--{name}={getattr(args, name)}" for name in DATASET_FLAGS[args.dataset]]
+    flags += [f"--optimizer={args.optimizer}", f"--global_batch_size={args.global_batch_size}"]
+    if args.dtype != "float32":
+        flags.append(f"--mixed_precision={args.dtype}")
+    per_worker = hardware.devices // hardware.workers
+    device_flag = "--simulate_devices" if hardware.device_type == "cpu" else "--num_gpus"
+    if hardware.workers == 1 or hardware.device_type == "gpu":
+        flags.append(f"{device_flag}={per_worker}")
+    if c.strategy == "dtensor":
+        flags += [f"--mesh=batch={c.replicas},model={c.model_ways}", f"--layout={c.layout}"]
+    if c.strategy == "pipeline":
+        flags += [f"--pipeline_stages={c.stages}", f"--microbatches={c.microbatches}",
+                  f"--pipeline_schedule={c.schedule}"]
+    return flags
+
+
+def command(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
+    """The whole command line: under `tfdist launch` when there are several workers."""
+    train = ["python", "-m", "experiments.train", *train_flags(evaluated, args, hardware)]
+    if hardware.workers == 1:
+        return train
+    launch = ["tfdist", "launch", "--workers", str(hardware.workers)]
+    if hardware.device_type == "cpu":
+        launch += ["--devices_per_worker", str(hardware.devices // hardware.workers)]
+    if evaluated.candidate.strategy == "dtensor":
+        launch.append("--dtensor")
+    return launch + ["--"] + train
+
+
+# --------------------------------------------------------------------------- output
+
+def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
+    chosen = plan.chosen
+    runnable = chosen is not None and work.inventory.model != inventory_lib.PARAMS_ONLY
+    return {
+        "model": work.inventory.model, "num_params": work.inventory.num_params,
+        "devices": hw.devices, "workers": hw.workers,
+        "memory_per_device": hw.memory_per_device, "usable_per_device": hw.usable,
+        "fits": chosen is not None, "reason": plan.reason,
+        "shortfall_bytes": None if chosen else _shortfall(plan, hw),
+        "recommended": _candidate_json(chosen, hw) if chosen else None,
+        "command": command(chosen, args, hw) if runnable else None,
+        "candidates": [_candidate_json(e, hw) for e in plan.evaluated],
+    }
+
+
+def _shortfall(plan: Plan, hw: Hardware) -> Optional[int]:
+    peaks = [e.peak for e in plan.evaluated if e.problem is None]
+    return min(peaks) - hw.usable if peaks else None
+
+
+def _candidate_json(e: Evaluated, hw: Hardware) -> Dict:
+    names = device_names(e.candidate, hw)
+    out = {"plan": e.candidate.describe(), **dataclasses.asdict(e.candidate), "problem": e.problem,
+           "fits": e.fits(hw), "peak_bytes": e.peak}
+    out["param_bytes_per_device"] = {names[d.device]: d.state for d in e.devices}
+    out["per_device"] = [{"device": names[d.device], "params": d.params,
+                          "optimizer": d.optimizer, "gradients": d.gradients,
+                          "activations": d.activations, "total": d.total} for d in e.devices]
+    return out
+
+
+def table(plan: Plan, args, work: Workload, hw: Hardware) -> str:
+    lines = [summarize(work.inventory) + f"; {args.optimizer}, {args.dtype}, global batch "
+             f"{args.global_batch_size}; {hw.devices} device(s) x {gib(hw.memory_per_device)} "
+             f"({gib(hw.usable)} usable)", ""]
+    header = ("plan", "params+opt", "grads", "activations", "peak (worst device)", "fits")
+    rows = [header] + [_row(e, hw) for e in plan.evaluated]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    if not work.activations_known:
+        lines.append("(activations not estimated for a --params model)")
+    lines += ["", plan.reason]
+    if plan.chosen and work.inventory.model != inventory_lib.PARAMS_ONLY:
+        lines += ["", "Run it:", "  " + shlex.join(command(plan.chosen, args, hw))]
+    elif plan.chosen:
+        lines += ["", f"Recommended: {plan.chosen.candidate.describe()} (a --params model has "
+                      f"no flags to run; plan a registry model for those)."]
+    return "\n".join(lines)
+
+
+def _row(e: Evaluated, hw: Hardware):
+    if e.problem:
+        return (e.candidate.describe(), "-", "-", "-", "-", f"no: {e.problem}")
+    worst = max(e.devices, key=lambda d: d.total)
+    fits = "yes" if e.fits(hw) else f"no (+{gib(e.peak - hw.usable)})"
+    return (e.candidate.describe(), gib(worst.state), gib(worst.gradients),
+            gib(worst.activations), gib(worst.total), fits)
+
+
+def main(argv: List[str]) -> int:
+    args, work, hardware = parse(argv)
+    plan = recommend(work, hardware)
+    if args.json:
+        print(json.dumps(to_json(plan, args, work, hardware), indent=2))
+    else:
+        print(table(plan, args, work, hardware))
+    return 0 if plan.chosen else EXIT_NO_FIT
+

@@ -221,3 +221,11 @@ def test_memory_sizes_parse_binary_and_decimal():
     assert command.parse_bytes("80GB") == 80 * 10**9
     assert command.parse_bytes("512MiB") == 512 * 2**20
     assert command.parse_bytes("1e6") == 10**6
+
+
+def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
+    """Gradients + activations against TF's allocator on one CPU device (README: errors)."""
+    from tfdist.benchmarks import memory
+    row = memory.compare(["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
+                          "--synthetic_shape=784", "--global_batch_size=256", "--optimizer=sgd"])
+    assert row["measured"] > 0 and abs(row["error"]) < 1 / 3, row

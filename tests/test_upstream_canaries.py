@@ -56,3 +56,12 @@ def test_keras_backup_and_restore_still_has_the_pieces_tfdist_uses():
     assert callback._training_metadata_path.endswith("training_metadata.json")
     assert '"epoch": self._current_epoch' in inspect.getsource(
         keras.callbacks.BackupAndRestore._save_model)
+
+
+def test_keras_tf_optimizer_still_sums_gradients_in_update_step():
+    """tfdist.train.keras_fixes.gradients_already_summed (keras-team/keras#19308)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    source = inspect.getsource(TFOptimizer._backend_update_step)
+    assert "self._all_reduce_sum_gradients(grads_and_vars)" in source
+    assert list(inspect.signature(TFOptimizer._all_reduce_sum_gradients).parameters) == [
+        "self", "grads_and_vars"]

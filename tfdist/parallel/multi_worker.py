@@ -7,6 +7,8 @@ tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
   CommunicationOptions; the timeout also bounds the rendezvous in which workers
   wait for each other to start (tfdist.rendezvous), so nothing hangs;
 - on a CPU host, each worker's simulated CPUs become replicas (TF would use one);
+- --collective=tcp sums gradients with tfdist's own TCP ring (tcp_ring.py)
+  instead of TF's gRPC collectives, which are slow on CPU;
 - Keras `fit` is repaired for this strategy (keras_fit_fix).
 TensorFlow allows one such strategy per process, so it is built once and reused.
 """
@@ -16,17 +18,22 @@ import logging
 import os
 import re
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import cluster, devices, rendezvous
-from tfdist.errors import ClusterError, UsageError
+from tfdist.errors import ClusterError, UsageError, require
+from tfdist.parallel import tcp_ring
 from tfdist.parallel.strategy import StrategyParallelism
+from tfdist.train import keras_fixes, step as step_math
 
 log = logging.getLogger("tfdist")
 COLLECTIVES = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    # tcp: gradients go over tfdist's ring; TF's own (rare) collectives stay on auto
+    "tcp": tf.distribute.experimental.CommunicationImplementation.AUTO,
 }
 _built = {}  # options -> the process's one MultiWorkerMirroredStrategy
 PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -115,7 +122,8 @@ def peer_failure_summary(message: str) -> str:
     """The lines of a TF error that say which task failed (not where in the graph)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     telling = [i for i, line in enumerate(lines)
-               if re.search(r"unhealthy|aborted|timed out|deadline|heartbeat", line, re.I)]
+               if re.search(r"unhealthy|aborted|timed out|deadline|heartbeat|TcpRingError",
+                            line, re.I)]
     chosen = lines[telling[0]:telling[0] + 2] if telling else lines[-1:]
     return " ".join(chosen)[:400]
 
@@ -123,11 +131,44 @@ def peer_failure_summary(message: str) -> str:
 class MultiWorkerParallelism(StrategyParallelism):
     """StrategyParallelism whose chief is worker 0 (non-chiefs write to scratch dirs)."""
 
-    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig):
+    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig, ring=None):
         super().__init__("multi_worker_mirrored", strategy, local_devices)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
+        self.ring = ring           # a TcpRing with --collective=tcp, else None
         self._any_fn = None
+
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        if self.ring is None:
+            return super().make_train_step(model, optimizer, global_batch_size, jit_compile)
+        replica_step = ring_replica_step(self.ring, model, optimizer, global_batch_size,
+                                         jit_compile)
+        strategy = self.strategy
+
+        @tf.function
+        def train_step(iterator):
+            x, y = next(iterator)
+            # The ring summed the loss too: every worker holds the global value.
+            return strategy.experimental_local_results(strategy.run(replica_step, args=(x, y)))[0]
+
+        return train_step
+
+    def sum_over_workers(self, vector: np.ndarray) -> np.ndarray:
+        """Element-wise sum of a float32 vector over the workers (one replica each)."""
+        strategy = self.strategy
+
+        @tf.function
+        def total(value):
+            per_replica = strategy.run(lambda: tf.identity(value))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+        return total(tf.constant(vector, tf.float32)).numpy()
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        super().close()
 
     def any_process(self, flag: bool) -> bool:
         """A SUM all-reduce of the 0/1 flag (ReduceOp has no MAX), so every worker
@@ -149,7 +190,9 @@ class MultiWorkerParallelism(StrategyParallelism):
         collective (heartbeat loss, or --collective_timeout): say so plainly."""
         try:
             yield
-        except PEER_FAILURES as error:
+        except (*PEER_FAILURES, tf.errors.UnknownError) as error:
+            if isinstance(error, tf.errors.UnknownError) and "TcpRingError" not in error.message:
+                raise
             summary = peer_failure_summary(error.message)
             raise ClusterError(
                 f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: a peer died or "
@@ -166,7 +209,63 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
     if config.collective == "nccl" and not any("gpu" in d for d in local):
         raise UsageError(f"--collective=nccl needs GPUs, but this worker's devices are "
                          f"{', '.join(local)}. Use ring (or auto) on CPUs.")
+    if config.collective == "tcp":
+        check_tcp_ring_config(config, local)
     strategy = build_strategy(config, tf_config, local)
     log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
              tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
-    return MultiWorkerParallelism(strategy, local, tf_config)
+    parallel = MultiWorkerParallelism(strategy, local, tf_config)
+    if config.collective == "tcp" and tf_config.rank is not None:
+        parallel.ring = connect_ring(parallel, config.collective_timeout)
+    return parallel
+
+
+# --------------------------------------------------------------------------- --collective=tcp
+
+def check_tcp_ring_config(config, local) -> None:
+    require(len(local) == 1 and "gpu" not in local[0].lower(),
+            f"--collective=tcp sums the gradients of one CPU device per worker, but this "
+            f"worker has {', '.join(local)}. Use --devices_per_worker 1 (--num_gpus=0), or "
+            f"--collective=ring / nccl.")
+    require(config.trainer == "loop",
+            f"--collective=tcp works with --trainer=loop (tfdist's step sends the gradients); "
+            f"got --trainer={config.trainer}. Use --collective=auto with Keras fit.")
+    require(config.mixed_precision != "mixed_float16",
+            "--collective=tcp does not support --mixed_precision=mixed_float16 (the loss "
+            "scale would check unsummed gradients); use mixed_bfloat16 or float32.")
+
+
+def connect_ring(parallel: MultiWorkerParallelism, timeout: float) -> tcp_ring.TcpRing:
+    """Listens on a free port, learns every worker's port through one TF all-reduce,
+    and connects the ring (hosts from TF_CONFIG)."""
+    tf_config = parallel.tf_config
+    hosts = [cluster.split_address(a)[0] for a in tf_config.worker_addresses]
+    server = tcp_ring.listen(hosts[tf_config.rank])
+    ports = np.zeros(tf_config.num_workers, np.float32)
+    ports[tf_config.rank] = server.getsockname()[1]   # < 2**24: exact in float32
+    ports = [int(p) for p in parallel.sum_over_workers(ports)]
+    ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
+    log.info("collective tcp: ring of %d workers connected (ports %s)", len(hosts), ports)
+    return ring
+
+
+def ring_replica_step(ring: tcp_ring.TcpRing, model, optimizer, global_batch_size: int,
+                      jit_compile: bool):
+    """The replica step with gradients and loss summed in one buffer by the ring."""
+    loss_and_grads = step_math.make_loss_and_grads(model, optimizer, global_batch_size,
+                                                   jit_compile)
+    variables = model.trainable_variables
+
+    def replica_step(x, y):
+        loss, grads = loss_and_grads(x, y)
+        flat = tf.concat([tf.reshape(g, [-1]) for g in grads] + [tf.reshape(loss, [1])], 0)
+        summed = tf.numpy_function(ring.all_reduce, [flat], tf.float32, stateful=True)
+        summed = tf.ensure_shape(summed, flat.shape)
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        pieces = tf.split(summed[:-1], sizes)
+        grads = [tf.reshape(p, v.shape) for p, v in zip(pieces, variables)]
+        with keras_fixes.gradients_already_summed(optimizer):
+            optimizer.apply(grads, variables)
+        return summed[-1]
+
+    return replica_step

@@ -18,9 +18,12 @@ invalid axis for a scalar. The second repair wraps Keras' module-level
 `reduce_per_replica` so scalars are reduced with axis=None (same issues).
 
 Both touch private Keras code; tests/test_upstream_canaries.py fails when Keras
-changes either, so the repairs are revisited (or dropped) then.
+changes either, so the repairs are revisited (or dropped) then. The same goes for
+`gradients_already_summed` (below), which is not about fit: it lets a step that
+summed its gradients itself (--collective=tcp) apply them without a second sum.
 """
 
+import contextlib
 import json
 import os
 import types
@@ -116,3 +119,28 @@ def backed_up_epoch(backup_dir: str) -> int:
         return 0
     with open(path) as f:
         return int(json.load(f)["epoch"])
+
+
+@contextlib.contextmanager
+def gradients_already_summed(optimizer):
+    """While tracing `optimizer.apply`, skips Keras' own cross-replica gradient sum.
+
+    Keras 3's TF optimizer always all-reduces gradients in a replica context
+    (`_all_reduce_sum_gradients`, called by `_backend_update_step`); tf.keras had
+    `experimental_aggregate_gradients=False` for callers that summed already, Keras 3
+    has no public switch (keras-team/keras#19308, open). --collective=tcp sums them
+    itself, so the private method is replaced on these instances for the trace.
+    Pinned by tests/test_upstream_canaries.py.
+    """
+    optimizers = [optimizer] + [o for o in [getattr(optimizer, "inner_optimizer", None)] if o]
+    for each in optimizers:
+        each._all_reduce_sum_gradients = _unchanged
+    try:
+        yield
+    finally:
+        for each in optimizers:
+            del each._all_reduce_sum_gradients  # back to the class method
+
+
+def _unchanged(grads_and_vars):
+    return grads_and_vars

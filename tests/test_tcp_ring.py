@@ -1,0 +1,107 @@
+"""tfdist's TCP ring all-reduce (--collective=tcp), on real loopback sockets.
+
+Ranks run as threads of this process (the sockets are real); the multi-process
+equivalence run is in tests/test_multi_worker.py.
+"""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tfdist.errors import UsageError
+from tfdist.parallel import tcp_ring
+
+
+def connect_rings(size, timeout=10.0):
+    servers = [tcp_ring.listen("127.0.0.1") for _ in range(size)]
+    ports = [s.getsockname()[1] for s in servers]
+    rings = [None] * size
+
+    def join(rank):
+        rings[rank] = tcp_ring.TcpRing.connect(rank, ["127.0.0.1"] * size, ports,
+                                               servers[rank], timeout)
+
+    run_all(join, size)
+    return rings
+
+
+def run_all(fn, size):
+    errors = []
+
+    def guarded(rank):
+        try:
+            fn(rank)
+        except BaseException as error:  # reported below, with the rank
+            errors.append((rank, error))
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("size,length", [(2, 1_000_003), (3, 10), (4, 7), (3, 2)])
+def test_ring_sums_and_every_rank_gets_the_same_bits(size, length):
+    rings = connect_rings(size)
+    rng = np.random.default_rng(size)
+    inputs = [rng.standard_normal(length).astype(np.float32) for _ in range(size)]
+    outputs = [None] * size
+
+    def reduce(rank):
+        outputs[rank] = rings[rank].all_reduce(inputs[rank])
+
+    run_all(reduce, size)
+    np.testing.assert_allclose(outputs[0], np.sum(inputs, axis=0), rtol=1e-6, atol=1e-6)
+    for out in outputs[1:]:
+        assert out.tobytes() == outputs[0].tobytes()  # replicas cannot drift apart
+    if size == 2:  # a + b == b + a exactly: the sum is the float32 sum
+        assert outputs[0].tobytes() == (inputs[0] + inputs[1]).tobytes()
+    for ring in rings:
+        ring.close()
+
+
+def test_a_peer_that_dies_ends_the_reduce_at_once():
+    rings = connect_rings(2)
+    rings[1].close()  # what the OS does when worker 1's process dies
+    start = time.monotonic()
+    with pytest.raises(tcp_ring.TcpRingError, match="closed its connection|failed"):
+        rings[0].all_reduce(np.ones(1000, np.float32))
+    assert time.monotonic() - start < 5
+    rings[0].close()
+
+
+def test_a_silent_peer_times_out():
+    rings = connect_rings(2, timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(tcp_ring.TcpRingError, match="within the collective timeout"):
+        rings[0].all_reduce(np.ones(10, np.float32))  # worker 1 never takes part
+    assert time.monotonic() - start < 5
+    for ring in rings:
+        ring.close()
+
+
+def test_a_worker_that_never_connects_is_named():
+    server = tcp_ring.listen("127.0.0.1")
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    with pytest.raises(tcp_ring.TcpRingError, match="could not connect to worker 1"):
+        tcp_ring.TcpRing.connect(0, ["127.0.0.1"] * 2, [server.getsockname()[1], port],
+                                 server, timeout=0.5)
+
+
+def test_tcp_with_two_devices_per_worker_is_refused():
+    from tfdist.config import RunConfig
+    from tfdist.parallel import multi_worker
+    config = RunConfig(strategy="multi_worker_mirrored", collective="tcp")
+    with pytest.raises(UsageError, match="one CPU device per worker"):
+        multi_worker.check_tcp_ring_config(config, ["/device:CPU:0", "/device:CPU:1"])
+    with pytest.raises(UsageError, match="--trainer=fit"):
+        multi_worker.check_tcp_ring_config(RunConfig(strategy="multi_worker_mirrored",
+                                                     collective="tcp", trainer="fit"),
+                                           ["/device:CPU:0"])

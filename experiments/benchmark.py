@@ -12,6 +12,11 @@ Suites:
              and PyTorch DDP gloo when torch is installed.
   bubble     pipeline step time against micro-batches M and stages S, next to the
              GPipe bubble formula (S-1)/(M+S-1).
+  scaling    step time, examples/s, speedup and efficiency (speedup / devices)
+             of each --scaling_modes contender (MODE:DEVICES) against default
+             on 1 device, each run a fresh experiments.train process; also a
+             PNG of speedup against devices. About 8 minutes here with
+             --steps=30 --trials=3.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -23,11 +28,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from tfdist import config as cfg  # noqa: E402
+from tfdist.benchmarks import scaling  # noqa: E402  (no TensorFlow: it runs subprocesses)
 from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble")
+SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -37,6 +43,11 @@ flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
 flags.DEFINE_string("collectives", "auto,ring", "allreduce: implementations to compare.")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
 flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
+flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,
+                    "scaling: MODE:DEVICES contenders; modes default, mirrored, dtensor, "
+                    "dtensor_megatron, pipeline. default:1 (the baseline) always runs.")
+flags.DEFINE_integer("run_timeout", 600, "scaling: seconds before one training process is "
+                     "killed and reported.")
 flags.DEFINE_bool("worker", False, "Internal: this process is one worker of a launched group.")
 
 
@@ -102,6 +113,11 @@ def main(argv):
         elif FLAGS.suite == "bubble":
             from tfdist.benchmarks import bubble
             rows = bubble.bubble_rows(stages=(2, 4), microbatches=(1, 2, 4, 8))
+        elif FLAGS.suite == "scaling":
+            rows = scaling.run_suite(FLAGS.scaling_modes, FLAGS.steps, FLAGS.trials,
+                                     FLAGS.run_timeout)
+            print(scaling.write_report(rows, FLAGS.out_dir))
+            return
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)
@@ -112,6 +128,9 @@ def main(argv):
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except scaling.ContenderFailed as error:
+        print(f"tfdist: benchmark run failed: {error}", file=sys.stderr)
+        sys.exit(1)
     from tfdist.benchmarks import report
     print(report.write_all(rows, FLAGS.out_dir, FLAGS.suite))
 

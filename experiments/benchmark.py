@@ -15,7 +15,7 @@ Suites:
   scaling    step time, examples/s, speedup and efficiency (speedup / devices)
              of each --scaling_modes contender (MODE:DEVICES) against default
              on 1 device, each run a fresh experiments.train process; also a
-             PNG of speedup against devices. About 8 minutes here with
+             PNG of speedup against devices. About 6 minutes here with
              --steps=30 --trials=3.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """

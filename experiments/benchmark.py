@@ -40,7 +40,7 @@ flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
 flags.DEFINE_integer("trials", 5, "Alternating trials per contender; medians are reported.")
 flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).")
 flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
-flags.DEFINE_string("collectives", "auto,ring", "allreduce: implementations to compare.")
+flags.DEFINE_string("collectives", "auto,ring,tcp", "allreduce: implementations to compare.")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
 flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
 flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,
@@ -76,7 +76,7 @@ def allreduce_worker():
     config = cfg.RunConfig(strategy="multi_worker_mirrored", collective=FLAGS.collectives,
                            simulate_devices=0)
     parallel = multi_worker.build_multi_worker(config)
-    rows = allreduce.sweep(parallel.strategy, FLAGS.collectives,
+    rows = allreduce.sweep(parallel, FLAGS.collectives,
                            cfg.parse_ints(FLAGS.sizes_mb, "sizes_mb"))
     if parallel.is_chief:
         for row in rows:

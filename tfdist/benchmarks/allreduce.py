@@ -7,6 +7,8 @@ timings is reported. As in nccl-tests:
   algorithm bandwidth = bytes / time
   bus bandwidth       = algorithm bandwidth * 2 (n - 1) / n   (n = replicas)
 the second being comparable to the hardware's link speed for a ring.
+`--collective=tcp` times tfdist's own TCP ring (tcp_ring.py) on numpy buffers,
+the path its gradients take in training.
 """
 
 import statistics
@@ -41,11 +43,29 @@ def time_all_reduce(strategy, num_bytes: int, iterations: int, trials: int) -> f
     return statistics.median(timings)
 
 
-def sweep(strategy, collective: str, sizes_mb=DEFAULT_SIZES_MB, iterations=5, trials=5):
-    n = strategy.num_replicas_in_sync
+def time_ring_all_reduce(ring, num_bytes: int, iterations: int, trials: int) -> float:
+    """Median seconds for one TcpRing all-reduce of num_bytes per worker."""
+    import numpy as np
+    value = np.ones(num_bytes // 4, np.float32)
+    ring.all_reduce(value)  # warm up the sockets' buffers
+    timings = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            value = ring.all_reduce(value) * 0.5
+        timings.append((time.perf_counter() - start) / iterations)
+    return statistics.median(timings)
+
+
+def sweep(parallel, collective: str, sizes_mb=DEFAULT_SIZES_MB, iterations=5, trials=5):
+    """Rows per size for a MultiWorkerParallelism (its TcpRing when it has one)."""
+    n = parallel.strategy.num_replicas_in_sync
     rows = []
     for size_mb in sizes_mb:
-        seconds = time_all_reduce(strategy, size_mb * MB, iterations, trials)
+        if parallel.ring is not None:
+            seconds = time_ring_all_reduce(parallel.ring, size_mb * MB, iterations, trials)
+        else:
+            seconds = time_all_reduce(parallel.strategy, size_mb * MB, iterations, trials)
         algbw = size_mb * MB / seconds / 1e9
         rows.append({"collective": collective, "replicas": n, "bytes": size_mb * MB,
                      "time_ms": round(seconds * 1e3, 3), "algbw_GBps": round(algbw, 3),

@@ -24,7 +24,9 @@ setup(
         "importlib_resources",    # tfds 4.9.10 imports it without declaring it (tensorflow/datasets#11212)
     ],
     extras_require={
-        "test": ["pytest>=9,<10", "pyyaml>=6,<7"],
+        "test": ["pytest>=9,<10", "pyyaml>=6,<7",
+                 # tests/test_notebooks.py runs colab/*.ipynb headless
+                 "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
 )

@@ -143,8 +143,8 @@ def _reason(chosen: Evaluated, evaluated: List[Evaluated], work: Workload, hw: H
     if c.strategy in ("default", "mirrored", "multi_worker_mirrored"):
         return f"A full copy of the model fits on one device ({fits}), so plain data parallelism."
     full = evaluated[0]
-    over = (f"a full copy needs {gib(full.peak)} per device" if full.problem is None
-            else full.problem)
+    over = (f"A full copy needs {gib(full.peak)} per device" if full.problem is None
+            else full.problem[0].upper() + full.problem[1:])
     if c.strategy == "dtensor":
         return (f"{over}, more than {gib(hw.usable)}; megatron tensor parallelism over "
                 f"{c.model_ways} devices splits weights, slots and the wide activations "

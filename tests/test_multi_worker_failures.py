@@ -89,11 +89,11 @@ def test_worker_that_never_starts(tmp_path):
     assert "Traceback" not in result.stderr and time.monotonic() - start < 60
 
 
-def start_worker(ports, index, log_path):
+def start_worker(ports, index, log_path, collective="auto"):
     env = dict(os.environ, TF_CONFIG=tf_config(ports, index), PYTHONPATH=REPO,
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "experiments.train", *TRAIN, "--train_steps=1000000",
-            "--log_every=100", "--collective_timeout=20"]
+            "--log_every=100", "--collective_timeout=20", f"--collective={collective}"]
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT)
 
@@ -107,10 +107,11 @@ def wait_for_text(path, text, timeout):
     raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{open(path).read()[-2000:]}")
 
 
-def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(tmp_path):
+@pytest.mark.parametrize("collective", ["auto", "tcp"])
+def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(collective, tmp_path):
     ports = free_ports(2)
     logs = [tmp_path / f"w{i}.log" for i in range(2)]
-    workers = [start_worker(ports, i, logs[i]) for i in range(2)]
+    workers = [start_worker(ports, i, logs[i], collective) for i in range(2)]
     try:
         wait_for_text(logs[0], "step 100/", timeout=90)
         workers[1].kill()

@@ -105,3 +105,23 @@ def test_tcp_with_two_devices_per_worker_is_refused():
         multi_worker.check_tcp_ring_config(RunConfig(strategy="multi_worker_mirrored",
                                                      collective="tcp", trainer="fit"),
                                            ["/device:CPU:0"])
+
+
+def test_arrays_are_summed_as_one_buffer_and_keep_their_shapes():
+    rings = connect_rings(2)
+    shapes = [(3, 4), (5,), ()]
+    inputs = [[np.full(shape, rank + i, np.float32) for i, shape in enumerate(shapes)]
+              for rank in range(2)]
+    outputs = [None, None]
+
+    def reduce(rank):
+        outputs[rank] = rings[rank].all_reduce_arrays(*inputs[rank])
+
+    run_all(reduce, 2)
+    for rank in range(2):
+        assert [o.shape for o in outputs[rank]] == shapes
+        for i, out in enumerate(outputs[rank]):
+            assert np.all(out == inputs[0][i] + inputs[1][i])
+        assert inputs[rank][0][0, 0] == rank  # the inputs are not written to
+    for ring in rings:
+        ring.close()

@@ -48,6 +48,9 @@ def train(rank: int, workers: int, steps: int, port: int, queue) -> None:
     if rank == 0:
         queue.put(rate)
     if workers > 1:
+        # Both ranks reach the teardown together: gloo aborted one rank
+        # ("terminate called without an active exception") when the other tore down first.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -71,8 +71,15 @@ def shuffled_epoch(examples, block_size: int, seed: int, epoch, stream: int = 0)
 
 
 def forever(epoch_fn, start_epoch: int = 0):
-    """Epochs start_epoch, start_epoch + 1, ... back to back (a global batch may span two)."""
-    return tf.data.Dataset.range(start_epoch, tf.int64.max).flat_map(epoch_fn)
+    """Epochs start_epoch, start_epoch + 1, ... back to back (a global batch may span two).
+
+    Declared infinite: flat_map hides the length, and on a dataset of unknown length
+    MultiWorkerMirroredStrategy's iterator runs a cross-worker all-reduce at every
+    step to agree that every worker still has data (partial-batch handling), a
+    gRPC round trip per step that an endless stream never needs.
+    """
+    stream = tf.data.Dataset.range(start_epoch, tf.int64.max).flat_map(epoch_fn)
+    return stream.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
 
 
 def resume_point(consumed: int, epoch_length: int):

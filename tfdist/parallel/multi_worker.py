@@ -258,14 +258,12 @@ def ring_replica_step(ring: tcp_ring.TcpRing, model, optimizer, global_batch_siz
 
     def replica_step(x, y):
         loss, grads = loss_and_grads(x, y)
-        flat = tf.concat([tf.reshape(g, [-1]) for g in grads] + [tf.reshape(loss, [1])], 0)
-        summed = tf.numpy_function(ring.all_reduce, [flat], tf.float32, stateful=True)
-        summed = tf.ensure_shape(summed, flat.shape)
-        sizes = [int(np.prod(v.shape)) for v in variables]
-        pieces = tf.split(summed[:-1], sizes)
-        grads = [tf.reshape(p, v.shape) for p, v in zip(pieces, variables)]
+        tensors = list(grads) + [loss]
+        summed = tf.numpy_function(ring.all_reduce_arrays, tensors, [tf.float32] * len(tensors),
+                                   stateful=True)
+        summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
         with keras_fixes.gradients_already_summed(optimizer):
-            optimizer.apply(grads, variables)
+            optimizer.apply(summed[:-1], variables)
         return summed[-1]
 
     return replica_step

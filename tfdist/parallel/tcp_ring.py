@@ -72,8 +72,26 @@ class TcpRing:
     def all_reduce(self, buffer: np.ndarray) -> np.ndarray:
         """Sums `buffer` (1-D float32) over the ring; returns a new array with the sums."""
         out = np.array(buffer, dtype=np.float32, copy=True)
+        self.reduce_in_place(out)
+        return out
+
+    def all_reduce_arrays(self, *arrays: np.ndarray) -> List[np.ndarray]:
+        """Sums several float32 arrays as one buffer; returns arrays of the same shapes.
+
+        One copy in (into a fresh buffer, so nothing TensorFlow still holds is ever
+        written) and none out: the results are views of that buffer.
+        """
+        sizes = [a.size for a in arrays]
+        buffer = np.empty(sum(sizes), np.float32)
+        np.concatenate([a.reshape(-1) for a in arrays], out=buffer)
+        self.reduce_in_place(buffer)
+        bounds = np.cumsum([0] + sizes)
+        return [buffer[bounds[i]:bounds[i + 1]].reshape(a.shape) for i, a in enumerate(arrays)]
+
+    def reduce_in_place(self, out: np.ndarray) -> None:
+        """Replaces the 1-D float32 array `out` by its sum over the ring."""
         if self.size == 1:
-            return out
+            return
         chunks = np.array_split(out, self.size)
         scratch = np.empty(max(len(c) for c in chunks), np.float32)
         n, r = self.size, self.rank
@@ -83,7 +101,6 @@ class TcpRing:
             np.add(incoming, scratch[:len(incoming)], out=incoming)
         for step in range(n - 1):        # all-gather: pass the summed chunks around
             self._exchange(chunks[(r + 1 - step) % n], chunks[(r - step) % n])
-        return out
 
     def _exchange(self, send: np.ndarray, receive: np.ndarray) -> None:
         """Sends to the next worker while receiving from the previous (no deadlock on

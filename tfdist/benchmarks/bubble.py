@@ -18,10 +18,9 @@ import statistics
 import time
 from typing import Dict, List, Sequence
 
-from tfdist import data, devices, parallel as parallel_lib
+from tfdist import devices
+from tfdist.benchmarks import harness
 from tfdist.config import ModelConfig, RunConfig
-from tfdist.data import pipeline
-from tfdist.train import runner
 
 # Five equal 512-wide layers: stages of nearly equal cost for S = 2 and 4.
 DEFAULT_MODEL = ModelConfig(name="mlp", hidden_sizes=(512,) * 5)
@@ -29,14 +28,7 @@ DEFAULT_MODEL = ModelConfig(name="mlp", hidden_sizes=(512,) * 5)
 
 def step_seconds(config: RunConfig, steps: int) -> float:
     """Median wall time of one training step, after two untimed (tracing) steps."""
-    parallel = parallel_lib.build_parallelism(config)
-    parallel.validate_global_batch(config.global_batch_size)
-    source = data.get_source(config.data)
-    model, optimizer = runner.build_model_and_optimizer(config, parallel, source.info)
-    train_step = parallel.make_train_step(model, optimizer, config.global_batch_size, False)
-    dataset_fn = pipeline.train_dataset_fn(source, config.global_batch_size, config.seed,
-                                           config.data)
-    iterator = iter(parallel.distribute(dataset_fn))
+    train_step, iterator = harness.train_step_and_iterator(config)
     for _ in range(2):
         float(train_step(iterator))
     times = []

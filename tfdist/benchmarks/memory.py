@@ -13,23 +13,16 @@ too (`tf.config.experimental.get_memory_info`), so this runs here; the error is
 import shlex
 from typing import Dict, List
 
-from tfdist import config as cfg, data, parallel as parallel_lib
-from tfdist.data import pipeline
+from tfdist import config as cfg
+from tfdist.benchmarks import harness
 from tfdist.plan import command
 from tfdist.plan.memory import Candidate, per_device
-from tfdist.train import runner
 
 
 def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0") -> int:
     """Peak minus live bytes on `device` over one (already traced) training step."""
     import tensorflow as tf
-    parallel = parallel_lib.build_parallelism(config)
-    source = data.get_source(config.data)
-    model, optimizer = runner.build_model_and_optimizer(config, parallel, source.info)
-    step = parallel.make_train_step(model, optimizer, config.global_batch_size, False)
-    dataset_fn = pipeline.train_dataset_fn(source, config.global_batch_size, config.seed,
-                                           config.data)
-    iterator = iter(parallel.distribute(dataset_fn))
+    step, iterator = harness.train_step_and_iterator(config)
     float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
     float(step(iterator))
     tf.config.experimental.reset_memory_stats(device)

@@ -243,8 +243,17 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float) -> tcp_ring.T
     server = tcp_ring.listen(hosts[tf_config.rank])
     ports = np.zeros(tf_config.num_workers, np.float32)
     ports[tf_config.rank] = server.getsockname()[1]   # < 2**24: exact in float32
-    ports = [int(p) for p in parallel.sum_over_workers(ports)]
-    ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
+    try:
+        with parallel.translate_failures():  # a peer lost during the port exchange
+            ports = [int(p) for p in parallel.sum_over_workers(ports)]
+        ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
+    except tcp_ring.TcpRingError as error:
+        raise ClusterError(f"worker {tf_config.rank} of {tf_config.num_workers}: "
+                           f"--collective=tcp could not connect its ring ({error}). Check that "
+                           f"the workers can reach each other on any TCP port, or use "
+                           f"--collective=auto.") from None
+    finally:
+        server.close()
     log.info("collective tcp: ring of %d workers connected (ports %s)", len(hosts), ports)
     return ring
 

@@ -229,3 +229,16 @@ def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
     row = memory.compare(["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
                           "--synthetic_shape=784", "--global_batch_size=256", "--optimizer=sgd"])
     assert row["measured"] > 0 and abs(row["error"]) < 1 / 3, row
+
+
+def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(capsys):
+    flags = ["plan", "--devices=4", "--workers=2", "--memory_per_device=1GiB", "--model=mlp",
+             "--json"]
+    assert cli.main(flags + ["--device_type=cpu"]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert cpu["command"][:6] == ["tfdist", "launch", "--workers", "2", "--devices_per_worker", "2"]
+    assert "--strategy=multi_worker_mirrored" in cpu["command"] and cpu["run_on"] == "this host"
+    assert cli.main(flags + ["--device_type=gpu"]) == 0
+    gpu = json.loads(capsys.readouterr().out)
+    assert gpu["command"][:3] == ["python", "-m", "experiments.train"]
+    assert "--num_gpus=2" in gpu["command"] and gpu["run_on"] == "every worker host"

@@ -146,9 +146,11 @@ def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
 
 
 def command(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
-    """The whole command line: under `tfdist launch` when there are several workers."""
+    """The whole command line. Several CPU workers: under `tfdist launch` on this host.
+    Several GPU workers: the command each host runs (with its TF_CONFIG, see
+    run_it_heading), since one host's workers would otherwise share its GPUs."""
     train = ["python", "-m", "experiments.train", *train_flags(evaluated, args, hardware)]
-    if hardware.workers == 1:
+    if hardware.workers == 1 or hardware.device_type == "gpu":
         return train
     launch = ["tfdist", "launch", "--workers", str(hardware.workers)]
     if hardware.device_type == "cpu":
@@ -171,6 +173,8 @@ def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
         "shortfall_bytes": None if chosen else _shortfall(plan, hw),
         "recommended": _candidate_json(chosen, hw) if chosen else None,
         "command": command(chosen, args, hw) if runnable else None,
+        "run_on": ("every worker host" if hw.workers > 1 and hw.device_type == "gpu"
+                   else "this host"),
         "candidates": [_candidate_json(e, hw) for e in plan.evaluated],
     }
 
@@ -204,11 +208,19 @@ def table(plan: Plan, args, work: Workload, hw: Hardware) -> str:
         lines.append("(activations not estimated for a --params model)")
     lines += ["", plan.reason]
     if plan.chosen and work.inventory.model != inventory_lib.PARAMS_ONLY:
-        lines += ["", "Run it:", "  " + shlex.join(command(plan.chosen, args, hw))]
+        lines += ["", run_it_heading(plan.chosen, hw), "  " + shlex.join(command(plan.chosen, args, hw))]
     elif plan.chosen:
         lines += ["", f"Recommended: {plan.chosen.candidate.describe()} (a --params model has "
                       f"no flags to run; plan a registry model for those)."]
     return "\n".join(lines)
+
+
+def run_it_heading(chosen: Evaluated, hw: Hardware) -> str:
+    if hw.workers == 1 or hw.device_type == "cpu":
+        return "Run it:"
+    env = ("TF_CONFIG (`tfdist tf-config --hosts ... --index I`)"
+           if chosen.candidate.strategy != "dtensor" else "DTENSOR_* variables")
+    return f"Run it on each of the {hw.workers} worker hosts, with its {env}:"
 
 
 def _row(e: Evaluated, hw: Hardware):

@@ -7,9 +7,11 @@ Suites:
              (same model, strategy and data); the goal is a ratio >= 0.95.
   allreduce  nccl-tests-style all-reduce bandwidth, 1 MB to 64 MB, across
              --workers processes started with `tfdist launch`, for each
-             --collectives choice (nccl only where there are GPUs).
-  throughput 2 workers vs 1 worker (one thread each) on a compute-bound MLP,
-             and PyTorch DDP gloo when torch is installed.
+             --collectives choice: TF's auto, ring (nccl only where there are
+             GPUs) and tfdist's tcp ring.
+  throughput 2 workers (TF's collectives, and --collective=tcp) vs 1 worker,
+             one thread each, on a compute-bound MLP, and PyTorch DDP gloo
+             when torch is installed.
   bubble     pipeline step time against micro-batches M and stages S, next to the
              GPipe bubble formula (S-1)/(M+S-1).
   scaling    step time, examples/s, speedup and efficiency (speedup / devices)

@@ -128,6 +128,30 @@ import numpy as np
 def relative_differences(losses, reference):
     losses, reference = np.asarray(losses), np.asarray(reference)
     return np.abs(losses - reference) / np.abs(reference)
+
+
+def plot_against_one_device(losses, differences):
+    """Left: each run's per-step loss, the first being the one-device reference (drawn wide).
+    Right: each other run's relative difference from it, against the 1e-5 guarantee."""
+    import matplotlib.pyplot as plt
+    steps = np.arange(1, len(next(iter(losses.values()))) + 1)
+    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for index, (name, values) in enumerate(losses.items()):
+        style = (dict(linewidth=4, alpha=0.35) if index == 0
+                 else dict(linestyle="--", marker=".", markersize=4))
+        ax_loss.plot(steps, values, label=name, **style)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="Per-step loss: the curves coincide")
+    for name, difference in differences.items():
+        ax_diff.plot(steps, np.maximum(difference, 1e-10), marker=".", label=name)
+    ax_diff.axhline(1e-5, color="red", linestyle=":", label="the guarantee: 1e-5")
+    ax_diff.set(yscale="log", ylim=(1e-10, 1e-3), xlabel="step",
+                ylabel="|loss - one device| / one device",
+                title="Relative difference from one device (0 drawn at 1e-10)")
+    for ax in (ax_loss, ax_diff):
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.legend()
+    plt.tight_layout()
+    plt.show()
 '''
 
 
@@ -233,26 +257,7 @@ Simulated CPU devices share the host's cores, so `mirrored` is not faster here; 
 replica has its own device. The point on a CPU runtime is that the numbers are the same.
 '''),
     code(r'''
-import matplotlib.pyplot as plt
-
-steps = np.arange(1, len(reference) + 1)
-fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.5))
-for name, result in results.items():
-    style = (dict(linewidth=4, alpha=0.35) if name == "default"
-             else dict(linestyle="--", marker=".", markersize=4))
-    ax_loss.plot(steps, result["losses"], label=name, **style)
-ax_loss.set(xlabel="step", ylabel="training loss", title="Per-step loss: the curves coincide")
-ax_loss.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-ax_loss.legend()
-for name, difference in differences.items():
-    ax_diff.plot(steps, np.maximum(difference, 1e-10), marker=".", label=name)
-ax_diff.axhline(1e-5, color="red", linestyle=":", label="the guarantee: 1e-5")
-ax_diff.set(yscale="log", ylim=(1e-10, 1e-3), xlabel="step", ylabel="|loss - default| / default",
-            title="Relative difference from one device (0 drawn at 1e-10)")
-ax_diff.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-ax_diff.legend()
-plt.tight_layout()
-plt.show()
+plot_against_one_device({name: result["losses"] for name, result in results.items()}, differences)
 '''),
 ]
 
@@ -350,8 +355,6 @@ Same seed, same global batch: each global step sees the same 64 examples (worker
 p, p+2, ... of the same permutation), and the summed worker gradients are the one-device gradient.
 '''),
     code(LOSS_COMPARISON + TABLE_HELPER + r'''
-import matplotlib.pyplot as plt
-
 difference = relative_differences(multi_worker["losses"], default["losses"])
 print(f"largest relative loss difference over {len(difference)} steps: {difference.max():.1e}")
 if GPUS < WORKERS:  # the float32 CPU guarantee
@@ -361,21 +364,9 @@ show_table(["step", "default (1 process)", f"multi_worker_mirrored ({WORKERS} wo
            [[i + 1, f"{default['losses'][i]:.6f}", f"{multi_worker['losses'][i]:.6f}",
              f"{difference[i]:.1e}"] for i in shown_steps(len(difference))])
 
-steps = np.arange(1, len(difference) + 1)
-fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(13, 4.5))
-ax_loss.plot(steps, default["losses"], linewidth=4, alpha=0.35, label="default (1 process)")
-ax_loss.plot(steps, multi_worker["losses"], "--.", markersize=4, label=f"{WORKERS} workers (chief's JSON)")
-ax_loss.set(xlabel="step", ylabel="training loss", title="Per-step loss: the curves coincide")
-ax_loss.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-ax_loss.legend()
-ax_diff.plot(steps, np.maximum(difference, 1e-10), marker=".")
-ax_diff.axhline(1e-5, color="red", linestyle=":", label="the guarantee: 1e-5")
-ax_diff.set(yscale="log", ylim=(1e-10, 1e-3), xlabel="step", ylabel="|loss - default| / default",
-            title="Relative difference (0 drawn at 1e-10)")
-ax_diff.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-ax_diff.legend()
-plt.tight_layout()
-plt.show()
+workers = f"{WORKERS} workers (chief's JSON)"
+plot_against_one_device({"default (1 process)": default["losses"], workers: multi_worker["losses"]},
+                        {workers: difference})
 '''),
 ]
 

@@ -19,6 +19,8 @@ Suites:
              on 1 device, each run a fresh experiments.train process; also a
              PNG of speedup against devices. About 6 minutes here with
              --steps=30 --trials=3.
+  memory     the planner's gradients + activations estimate for one device
+             against TensorFlow's allocator peak over one training step.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -35,7 +37,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling")
+SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -120,6 +122,9 @@ def main(argv):
                                      FLAGS.run_timeout)
             print(scaling.write_report(rows, FLAGS.out_dir))
             return
+        elif FLAGS.suite == "memory":
+            from tfdist.benchmarks import memory
+            rows = memory.compare_all()
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

@@ -226,8 +226,7 @@ def test_memory_sizes_parse_binary_and_decimal():
 def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
     """Gradients + activations against TF's allocator on one CPU device (README: errors)."""
     from tfdist.benchmarks import memory
-    row = memory.compare(["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
-                          "--synthetic_shape=784", "--global_batch_size=256", "--optimizer=sgd"])
+    row = memory.compare(list(memory.CONFIGS[0]))  # the mlp of --suite=memory
     assert row["measured"] > 0 and abs(row["error"]) < 1 / 3, row
 
 

@@ -235,14 +235,12 @@ class Subcommand:
     handler: Callable[[List[str]], int]   # gets the arguments after the subcommand name
 
 
-# Extension point: a subcommand is one entry here. The planned `tfdist plan` becomes
-#   "plan": Subcommand("estimate memory per device and recommend a layout", plan_command),
-# with plan_command importing tfdist.plan inside itself, like launch_command does.
 def plan_command(argv: List[str]) -> int:
     from tfdist.plan import command
     return command.main(argv)
 
 
+# Extension point: a subcommand is one entry here; its handler imports what it needs.
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "launch": Subcommand("start N local workers with TF_CONFIG (the torchrun of TensorFlow)", launch_command),
     "tf-config": Subcommand("print the TF_CONFIG JSON of one rank of a real cluster", tf_config_command),

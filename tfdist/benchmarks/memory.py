@@ -6,8 +6,7 @@ gradients + activations. TF 2.21 reports allocator statistics for CPU devices
 too (`tf.config.experimental.get_memory_info`), so this runs here; the error is
 (estimate - measured) / measured.
 
-    from tfdist.benchmarks.memory import compare
-    row = compare(["--model=mlp", "--dataset=digits", "--global_batch_size=64"])
+    python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
 
 import shlex
@@ -17,6 +16,16 @@ from tfdist import config as cfg
 from tfdist.benchmarks import harness
 from tfdist.plan import command
 from tfdist.plan.memory import Candidate, per_device
+
+
+CONFIGS = (  # `tfdist plan` flags: one per registry model, big enough to dwarf allocator rounding
+    ("--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic", "--synthetic_shape=784",
+     "--global_batch_size=256", "--optimizer=sgd"),
+    ("--model=cnn", "--dataset=digits", "--global_batch_size=256"),
+    ("--model=transformer", "--dataset=text", "--global_batch_size=32"),
+    ("--model=resnet", "--dataset=synthetic", "--synthetic_shape=32,32,3", "--filters=16,32",
+     "--global_batch_size=64"),
+)
 
 
 def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0") -> int:
@@ -43,3 +52,7 @@ def compare(plan_flags: List[str]) -> Dict:
     return {"config": shlex.join(plan_flags), "gradients": estimate.gradients,
             "activations": estimate.activations, "estimate": predicted, "measured": measured,
             "error": round((predicted - measured) / measured, 3)}
+
+
+def compare_all(configs=CONFIGS) -> List[Dict]:
+    return [compare(list(flags)) for flags in configs]

@@ -131,12 +131,12 @@ def peer_failure_summary(message: str) -> str:
 class MultiWorkerParallelism(StrategyParallelism):
     """StrategyParallelism whose chief is worker 0 (non-chiefs write to scratch dirs)."""
 
-    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig, ring=None):
+    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig):
         super().__init__("multi_worker_mirrored", strategy, local_devices)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
-        self.ring = ring           # a TcpRing with --collective=tcp, else None
-        self._any_fn = None
+        self.ring = None           # a TcpRing with --collective=tcp (connect_ring)
+        self._sum_fn = None
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
         if self.ring is None:
@@ -153,16 +153,19 @@ class MultiWorkerParallelism(StrategyParallelism):
 
         return train_step
 
-    def sum_over_workers(self, vector: np.ndarray) -> np.ndarray:
-        """Element-wise sum of a float32 vector over the workers (one replica each)."""
-        strategy = self.strategy
+    def sum_over_replicas(self, value) -> np.ndarray:
+        """Element-wise sum of a float32 value (scalar or vector) over every replica of
+        the job, i.e. over the workers when each has one replica."""
+        if self._sum_fn is None:
+            strategy = self.strategy
 
-        @tf.function
-        def total(value):
-            per_replica = strategy.run(lambda: tf.identity(value))
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+            @tf.function
+            def total(value):
+                per_replica = strategy.run(lambda: tf.identity(value))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-        return total(tf.constant(vector, tf.float32)).numpy()
+            self._sum_fn = total
+        return self._sum_fn(tf.constant(value, tf.float32)).numpy()
 
     def close(self) -> None:
         if self.ring is not None:
@@ -173,16 +176,7 @@ class MultiWorkerParallelism(StrategyParallelism):
     def any_process(self, flag: bool) -> bool:
         """A SUM all-reduce of the 0/1 flag (ReduceOp has no MAX), so every worker
         acts on the same step."""
-        if self._any_fn is None:
-            strategy = self.strategy
-
-            @tf.function
-            def any_fn(value):
-                per_replica = strategy.run(lambda: tf.identity(value))
-                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-            self._any_fn = any_fn
-        return bool(self._any_fn(tf.constant(1.0 if flag else 0.0)) > 0)
+        return bool(self.sum_over_replicas(1.0 if flag else 0.0) > 0)
 
     @contextlib.contextmanager
     def translate_failures(self):
@@ -245,7 +239,7 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float) -> tcp_ring.T
     ports[tf_config.rank] = server.getsockname()[1]   # < 2**24: exact in float32
     try:
         with parallel.translate_failures():  # a peer lost during the port exchange
-            ports = [int(p) for p in parallel.sum_over_workers(ports)]
+            ports = [int(p) for p in parallel.sum_over_replicas(ports)]  # 1 per worker
         ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
     except tcp_ring.TcpRingError as error:
         raise ClusterError(f"worker {tf_config.rank} of {tf_config.num_workers}: "

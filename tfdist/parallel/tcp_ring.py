@@ -43,7 +43,8 @@ def listen(host: str) -> socket.socket:
 
 
 class TcpRing:
-    """A ring over `size` workers; `all_reduce(buffer)` sums float32 buffers in place."""
+    """A ring over `size` workers; `reduce_in_place(buffer)` sums a float32 buffer over it
+    (`all_reduce` and `all_reduce_arrays` wrap it for a copy, and for several arrays)."""
 
     def __init__(self, rank: int, size: int, to_next: socket.socket, from_prev: socket.socket,
                  timeout: float):

@@ -19,7 +19,8 @@ from tfdist import config as cfg
 from tfdist.errors import require
 from tfdist.plan import inventory as inventory_lib
 from tfdist.plan.memory import Workload
-from tfdist.plan.recommend import Evaluated, Hardware, Plan, device_names, gib, recommend, summarize
+from tfdist.plan.recommend import (Evaluated, Hardware, Plan, device_names, gib, recommend,
+                                   smallest_need, summarize)
 
 EXIT_NO_FIT = 1
 DTYPES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -180,12 +181,12 @@ def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
 
 
 def _shortfall(plan: Plan, hw: Hardware) -> Optional[int]:
-    peaks = [e.peak for e in plan.evaluated if e.problem is None]
-    return min(peaks) - hw.usable if peaks else None
+    best = smallest_need(plan.evaluated)
+    return best.peak - hw.usable if best else None
 
 
 def _candidate_json(e: Evaluated, hw: Hardware) -> Dict:
-    names = device_names(e.candidate, hw)
+    names = device_names(hw)
     out = {"plan": e.candidate.describe(), **dataclasses.asdict(e.candidate), "problem": e.problem,
            "fits": e.fits(hw), "peak_bytes": e.peak}
     out["param_bytes_per_device"] = {names[d.device]: d.state for d in e.devices}

@@ -27,7 +27,7 @@ FLOAT32 = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 OPTIMIZER_SCALARS = 8 + 4                  # iteration (int64) + learning_rate (float32)
 LOSS_SCALE_SCALARS = 2 * OPTIMIZER_SCALARS + 8 + 4  # its own 2 + the inner 2 + step_counter, dynamic_scale
-ACTIVATION_BYTES = {None: 4, "float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
+ACTIVATION_BYTES = {None: 4, "mixed_bfloat16": 2, "mixed_float16": 2}  # by mixed policy
 
 
 @dataclasses.dataclass(frozen=True)

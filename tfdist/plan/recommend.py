@@ -65,7 +65,7 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def data_parallel(work: Workload, hw: Hardware) -> Candidate:
+def data_parallel(hw: Hardware) -> Candidate:
     strategy = ("default" if hw.devices == 1 else
                 "multi_worker_mirrored" if hw.workers > 1 else "mirrored")
     return Candidate(strategy, hw.devices, replicas=hw.devices)
@@ -121,7 +121,7 @@ def runnable_problem(c: Candidate, work: Workload, hw: Hardware) -> Optional[str
 
 def candidates(work: Workload, hw: Hardware):
     """Yields candidates simplest first; see the module docstring."""
-    yield [data_parallel(work, hw)]
+    yield [data_parallel(hw)]
     for k in divisors(hw.devices)[1:]:
         yield [tensor_parallel(k, hw)]
         yield [pipeline(k, work, hw, "gpipe"), pipeline(k, work, hw, "1f1b")]
@@ -155,11 +155,16 @@ def _reason(chosen: Evaluated, evaluated: List[Evaluated], work: Workload, hw: H
             f"share of the layers ({fits}).")
 
 
-def _no_fit_reason(evaluated: List[Evaluated], hw: Hardware) -> str:
+def smallest_need(evaluated: List[Evaluated]) -> Optional[Evaluated]:
+    """The runnable candidate with the smallest per-device peak (None: none can run)."""
     runnable = [e for e in evaluated if e.problem is None]
-    if not runnable:
+    return min(runnable, key=lambda e: e.peak) if runnable else None
+
+
+def _no_fit_reason(evaluated: List[Evaluated], hw: Hardware) -> str:
+    best = smallest_need(evaluated)
+    if best is None:
         return "No plan can run: " + "; ".join(sorted({e.problem for e in evaluated})) + "."
-    best = min(runnable, key=lambda e: e.peak)
     short = best.peak - hw.usable
     return (f"Does not fit: the smallest per-device need is {gib(best.peak)} "
             f"({best.candidate.describe()}), {gib(short)} ({short / hw.usable:.0%}) more than "
@@ -174,7 +179,7 @@ def gib(n: float) -> str:
     return f"{int(n)} B"
 
 
-def device_names(candidate: Candidate, hw: Hardware) -> List[str]:
+def device_names(hw: Hardware) -> List[str]:
     """The names the run reports its devices by (param_bytes_per_device keys)."""
     kind = hw.device_type.upper()
     per_worker = hw.devices // hw.workers

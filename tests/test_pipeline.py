@@ -105,3 +105,40 @@ def test_a_resumed_stream_continues_where_it_stopped(start_step):
     resumed = [b[1].numpy().tolist()
                for b in resumed_fn(tf.distribute.InputContext()).take(20 - start_step)]
     assert resumed == whole[start_step:]
+
+
+def element_by_element(source, global_batch, seed, config, input_context, start_step):
+    """The reference the vectorised stream must equal: shuffled epochs, one element
+    at a time, skipped to the start step, sharded, batched per replica."""
+    examples = source.examples("train")
+    block = pipeline.shuffle_buffer_size(source, config)
+    epoch, offset = pipeline.resume_point(start_step * global_batch, source.info.size("train"))
+    stream = pipeline.forever(lambda e: pipeline.shuffled_epoch(examples, block, seed, e), epoch)
+    stream = stream.skip(offset).shard(input_context.num_input_pipelines,
+                                       input_context.input_pipeline_id)
+    return stream.batch(input_context.get_per_replica_batch_size(global_batch), True)
+
+
+@pytest.mark.parametrize("workers,replicas,start_step,shuffle_buffer", [
+    (1, 1, 0, 0), (2, 2, 0, 0), (2, 4, 5, 0), (1, 2, 13, 16), (4, 4, 3, 7)])
+def test_vectorised_stream_equals_the_element_by_element_stream(workers, replicas, start_step,
+                                                                shuffle_buffer):
+    config = DataConfig(shuffle_buffer=shuffle_buffer)  # 16 and 7 do not divide the 50 examples
+    for worker in range(workers):
+        context = tf.distribute.InputContext(workers, worker, replicas)
+        fast = pipeline.train_dataset_fn(IdSource(), GLOBAL_BATCH, 3, config, start_step)(context)
+        slow = element_by_element(IdSource(), GLOBAL_BATCH, 3, config, context, start_step)
+        for (fast_x, fast_y), (slow_x, slow_y) in zip(fast.take(40), slow.take(40)):
+            assert fast_y.numpy().tolist() == slow_y.numpy().tolist()
+            assert np.array_equal(fast_x.numpy(), slow_x.numpy())
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_vectorised_stream_is_endless_with_or_without_the_cache(cache):
+    blocks = pipeline.permuted_blocks_forever(IdSource(), NUM_EXAMPLES, 3, 0, cache)
+    batches = pipeline.sharded_batches(blocks, tf.distribute.InputContext(), GLOBAL_BATCH)
+    assert batches.cardinality() == tf.data.INFINITE_CARDINALITY
+    stream = [i for _, ids in batches.take(25) for i in ids.numpy().tolist()]  # 4 epochs
+    epochs = [stream[e * NUM_EXAMPLES:(e + 1) * NUM_EXAMPLES] for e in range(4)]
+    assert all(sorted(epoch) == list(range(NUM_EXAMPLES)) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) == 4

@@ -8,8 +8,8 @@ Suites:
   allreduce  nccl-tests-style all-reduce bandwidth, 1 MB to 64 MB, across
              --workers processes started with `tfdist launch`, for each
              --collectives choice: TF's auto, ring (nccl only where there are
-             GPUs) and tfdist's tcp ring.
-  throughput 2 workers (TF's collectives, and --collective=tcp) vs 1 worker,
+             GPUs), tfdist's tcp ring and its shared-memory shm.
+  throughput 2 workers (TF's collectives, --collective=tcp and =shm) vs 1 worker,
              one thread each, on a compute-bound MLP, and PyTorch DDP gloo
              when torch is installed.
   bubble     pipeline step time against micro-batches M and stages S, next to the
@@ -44,7 +44,7 @@ flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
 flags.DEFINE_integer("trials", 5, "Alternating trials per contender; medians are reported.")
 flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).")
 flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
-flags.DEFINE_string("collectives", "auto,ring,tcp", "allreduce: implementations to compare.")
+flags.DEFINE_string("collectives", "auto,ring,tcp,shm", "allreduce: implementations to compare.")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
 flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
 flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,

@@ -1,7 +1,7 @@
 """multi_worker_mirrored over real processes on loopback, started by `tfdist launch`.
 
-Equivalence: 2 workers x 1 device (over --collective=tcp) and 2 workers x 2
-simulated devices (TF's collectives) give the per-step losses of the
+Equivalence: 2 workers x 1 device (over --collective=tcp, and =shm) and 2
+workers x 2 simulated devices (TF's collectives) give the per-step losses of the
 single-process `default` run (1e-5 relative), for mlp and cnn with sgd and
 adam, with tfdist's loop and with Keras fit.
 """
@@ -44,24 +44,26 @@ def references():
     return {name: reference(name) for name in CONFIGS}
 
 
-@pytest.mark.parametrize("devices_per_worker,collective", [(1, "tcp"), (2, "auto")])
-def test_two_workers_match_default(devices_per_worker, collective, references, tmp_path):
-    """One device per worker sums over tfdist's TCP ring (Keras fit keeps TF's
-    collectives, so it runs in the other launch); two devices use TF's. The
-    documented command below covers TF's collectives with one device."""
-    configs = {name: dict(c, train_steps=STEPS, collective=collective)
-               for name, c in CONFIGS.items()
-               if collective != "tcp" or c.get("trainer") != "fit"}
+@pytest.mark.parametrize("devices_per_worker,collectives", [(1, ("tcp", "shm")), (2, ("auto",))])
+def test_two_workers_match_default(devices_per_worker, collectives, references, tmp_path):
+    """One device per worker sums over tfdist's TCP ring and over shared memory
+    (Keras fit keeps TF's collectives, so it runs in the other launch); two
+    devices use TF's. The documented command below covers TF's collectives with
+    one device. Each launch trains all its configs in one pair of processes."""
+    configs = {f"{name}@{collective}": dict(c, train_steps=STEPS, collective=collective)
+               for collective in collectives for name, c in CONFIGS.items()
+               if collective == "auto" or c.get("trainer") != "fit"}
     result = launch(["--workers", "2", "--devices_per_worker", str(devices_per_worker), "--",
                      sys.executable, "tests/workers/train_configs.py", json.dumps(configs),
                      str(tmp_path)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for name in configs:
-        results = json.loads((tmp_path / f"{name}.json").read_text())
+    for run_name in configs:
+        name = run_name.split("@")[0]
+        results = json.loads((tmp_path / f"{run_name}.json").read_text())
         assert results["num_replicas"] == 2 * devices_per_worker
-        candidate = equivalence.Record(f"2 workers x{devices_per_worker} {name}",
+        candidate = equivalence.Record(f"2 workers x{devices_per_worker} {run_name}",
                                        results["losses"], [])
-        assert not equivalence.loss_mismatches(references[name], candidate), name
+        assert not equivalence.loss_mismatches(references[name], candidate), run_name
 
 
 def test_cli_contract_launch_of_experiments_train(tmp_path):

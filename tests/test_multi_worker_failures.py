@@ -107,7 +107,7 @@ def wait_for_text(path, text, timeout):
     raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{open(path).read()[-2000:]}")
 
 
-@pytest.mark.parametrize("collective", ["auto", "tcp"])
+@pytest.mark.parametrize("collective", ["auto", "tcp", "shm"])
 def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(collective, tmp_path):
     ports = free_ports(2)
     logs = [tmp_path / f"w{i}.log" for i in range(2)]

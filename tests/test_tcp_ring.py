@@ -1,9 +1,11 @@
-"""tfdist's TCP ring all-reduce (--collective=tcp), on real loopback sockets.
+"""tfdist's TCP ring all-reduce (--collective=tcp) and its shared-memory sibling
+(--collective=shm), on real loopback sockets and real /dev/shm mappings.
 
 Ranks run as threads of this process (the sockets are real); the multi-process
 equivalence run is in tests/test_multi_worker.py.
 """
 
+import os
 import socket
 import threading
 import time
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from tfdist.errors import UsageError
-from tfdist.parallel import tcp_ring
+from tfdist.parallel import shm_ring, tcp_ring
 
 
 def connect_rings(size, timeout=10.0):
@@ -125,3 +127,98 @@ def test_arrays_are_summed_as_one_buffer_and_keep_their_shapes():
         assert inputs[rank][0][0, 0] == rank  # the inputs are not written to
     for ring in rings:
         ring.close()
+
+
+def test_buffer_layout_aligns_every_array_and_zeroes_the_gaps():
+    arrays = [np.full((3, 5), 1.0, np.float32), np.full(7, 2.0, np.float32), np.float32(3.0)]
+    layout = tcp_ring.BufferLayout.of(arrays)
+    assert layout.starts == [0, 16, 32] and layout.length == 48
+    buffer = layout.empty()
+    layout.pack(arrays, buffer)
+    assert buffer.ctypes.data % 64 == 0
+    assert np.count_nonzero(buffer) == 15 + 7 + 1  # the gaps are zero, so sums stay finite
+    views = layout.unpack(buffer)
+    assert all(v.ctypes.data % 64 == 0 for v in views)
+    assert [v.shape for v in views] == [(3, 5), (7,), ()]
+    assert all(np.array_equal(v, a) for v, a in zip(views, arrays))
+
+
+def test_barrier_and_all_gather_of_bytes():
+    rings = connect_rings(3)
+    gathered, arrived = [None] * 3, []
+
+    def gather(rank):
+        time.sleep(0.1 * rank)      # a late worker holds the others at the barrier
+        arrived.append(rank)
+        rings[rank].barrier()
+        assert len(arrived) == 3
+        gathered[rank] = rings[rank].all_gather_bytes(f"worker-{rank}".encode() * rank, 32)
+
+    run_all(gather, 3)
+    assert gathered == [[b"", b"worker-1", b"worker-2worker-2"]] * 3
+    for ring in rings:
+        ring.close()
+
+
+def shared_memory_files():
+    directory = shm_ring.shared_memory_dir()
+    return {name for name in os.listdir(directory) if name.startswith("tfdist-shm-")}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_sums_in_worker_order_with_the_same_bits_everywhere(size):
+    before = shared_memory_files()
+    rings = connect_rings(size)
+    reducers = [shm_ring.SharedMemoryAllReduce(ring) for ring in rings]
+    rng = np.random.default_rng(size)
+    for _ in range(3):   # the regions are reused step after step
+        inputs = [[rng.standard_normal((33, 17)).astype(np.float32),
+                   rng.standard_normal(5).astype(np.float32), np.float32(rank)]
+                  for rank in range(size)]
+        outputs = [None] * size
+
+        def reduce(rank):
+            outputs[rank] = reducers[rank].all_reduce_arrays(*inputs[rank])
+
+        run_all(reduce, size)
+        for i in range(3):
+            expected = inputs[0][i]
+            for rank in range(1, size):
+                expected = expected + inputs[rank][i]     # worker order, as documented
+            for rank in range(size):
+                assert outputs[rank][i].tobytes() == np.asarray(expected).tobytes()
+                assert outputs[rank][i].ctypes.data % 64 == 0
+    assert shared_memory_files() == before  # unlinked once mapped: nothing to leak
+    for reducer, ring in zip(reducers, rings):
+        reducer.close()
+        ring.close()
+
+
+def test_shared_memory_with_a_dead_peer_fails_fast():
+    rings = connect_rings(2, timeout=5.0)
+    reducers = [shm_ring.SharedMemoryAllReduce(ring) for ring in rings]
+    run_all(lambda rank: reducers[rank].all_reduce_arrays(np.ones(10, np.float32)), 2)
+    rings[1].close()  # what the OS does when worker 1's process dies
+    start = time.monotonic()
+    with pytest.raises(tcp_ring.TcpRingError, match="closed its connection|failed"):
+        reducers[0].all_reduce_arrays(np.ones(10, np.float32))
+    assert time.monotonic() - start < 2
+    with pytest.raises(tcp_ring.TcpRingError, match="must sum the same buffer"):
+        reducers[0].all_reduce_arrays(np.ones(17, np.float32))  # 32 floats once aligned
+    for reducer in reducers:
+        reducer.close()
+    rings[0].close()
+
+
+def test_shm_with_workers_on_other_hosts_is_refused():
+    from tfdist import cluster
+    from tfdist.parallel import multi_worker
+    tf_config = cluster.parse_tf_config(
+        '{"cluster": {"worker": ["10.1.2.3:2222", "10.1.2.4:2222"]}, '
+        '"task": {"type": "worker", "index": 0}}')
+    with pytest.raises(UsageError, match="every worker on this host.*10.1.2.3, 10.1.2.4"):
+        multi_worker.check_one_host(tf_config)
+    local = cluster.parse_tf_config(
+        '{"cluster": {"worker": ["localhost:2222", "127.0.0.1:2223"]}, '
+        '"task": {"type": "worker", "index": 1}}')
+    multi_worker.check_one_host(local)

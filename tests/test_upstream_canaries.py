@@ -65,3 +65,25 @@ def test_keras_tf_optimizer_still_sums_gradients_in_update_step():
     assert "self._all_reduce_sum_gradients(grads_and_vars)" in source
     assert list(inspect.signature(TFOptimizer._all_reduce_sum_gradients).parameters) == [
         "self", "grads_and_vars"]
+
+
+def test_tf_still_takes_aligned_numpy_function_outputs_without_a_copy():
+    """tcp_ring.BufferLayout aligns the summed gradients to 64 bytes so that
+    tf.numpy_function adopts them instead of copying (a copy of every gradient
+    per step, on the throughput benchmark's critical path). If TF starts copying
+    again, training stays correct but slower: re-measure the throughput suite."""
+    import numpy as np
+    import tensorflow as tf
+    from tfdist.parallel.tcp_ring import BufferLayout
+
+    layout = BufferLayout([(1000,), (3,)])
+    buffer = layout.empty()
+
+    @tf.function
+    def outputs():
+        return tf.numpy_function(lambda: layout.unpack(buffer), [], [tf.float32] * 2,
+                                 stateful=True)
+
+    adopted, _ = outputs()
+    buffer[:] = 7.0   # visible through a tensor only if TF did not copy it
+    assert adopted.numpy()[0] == 7.0

@@ -16,7 +16,7 @@ from tfdist.errors import UsageError, require
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
-COLLECTIVES = ("auto", "ring", "nccl", "tcp")
+COLLECTIVES = ("auto", "ring", "nccl", "tcp", "shm")
 SHARDING = ("auto", "file", "data")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 TRAINERS = ("loop", "fit")

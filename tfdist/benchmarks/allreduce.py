@@ -7,8 +7,9 @@ timings is reported. As in nccl-tests:
   algorithm bandwidth = bytes / time
   bus bandwidth       = algorithm bandwidth * 2 (n - 1) / n   (n = replicas)
 the second being comparable to the hardware's link speed for a ring.
-`--collective=tcp` times tfdist's own TCP ring (tcp_ring.py) on numpy buffers,
-the path its gradients take in training.
+`--collective=tcp` and `--collective=shm` time tfdist's own all-reduces
+(tcp_ring.py, shm_ring.py) on numpy buffers, the path its gradients take in
+training.
 """
 
 import statistics
@@ -43,27 +44,33 @@ def time_all_reduce(strategy, num_bytes: int, iterations: int, trials: int) -> f
     return statistics.median(timings)
 
 
-def time_ring_all_reduce(ring, num_bytes: int, iterations: int, trials: int) -> float:
-    """Median seconds for one TcpRing all-reduce of num_bytes per worker."""
+def time_tfdist_all_reduce(reducer, num_bytes: int, iterations: int, trials: int) -> float:
+    """Median seconds for one all-reduce of num_bytes per worker by a TcpRing or a
+    SharedMemoryAllReduce (all_reduce_arrays, as in training)."""
     import numpy as np
     value = np.ones(num_bytes // 4, np.float32)
-    ring.all_reduce(value)  # warm up the sockets' buffers
+    reducer.all_reduce_arrays(value)  # warm up the sockets' buffers, map the memory
     timings = []
     for _ in range(trials):
         start = time.perf_counter()
         for _ in range(iterations):
-            value = ring.all_reduce(value) * 0.5
+            value = reducer.all_reduce_arrays(value)[0] * 0.5
         timings.append((time.perf_counter() - start) / iterations)
     return statistics.median(timings)
 
 
 def sweep(parallel, collective: str, sizes_mb=DEFAULT_SIZES_MB, iterations=5, trials=5):
-    """Rows per size for a MultiWorkerParallelism (its TcpRing when it has one)."""
+    """Rows per size for a MultiWorkerParallelism (tfdist's reducer when it has one)."""
+    from tfdist.parallel import shm_ring
     n = parallel.strategy.num_replicas_in_sync
     rows = []
     for size_mb in sizes_mb:
-        if parallel.ring is not None:
-            seconds = time_ring_all_reduce(parallel.ring, size_mb * MB, iterations, trials)
+        if collective == "shm":   # its regions have one size: one reducer per size
+            reducer = shm_ring.SharedMemoryAllReduce(parallel.ring)
+            seconds = time_tfdist_all_reduce(reducer, size_mb * MB, iterations, trials)
+            reducer.close()
+        elif parallel.reducer is not None:
+            seconds = time_tfdist_all_reduce(parallel.reducer, size_mb * MB, iterations, trials)
         else:
             seconds = time_all_reduce(parallel.strategy, size_mb * MB, iterations, trials)
         algbw = size_mb * MB / seconds / 1e9

@@ -61,6 +61,7 @@ def contenders(steps: int, bytes_per_pack: int):
         "tfdist 1 worker": lambda: _tfdist_rate(1, steps),
         "tfdist 2 workers": lambda: _tfdist_rate(2, steps),
         "tfdist 2 workers, --collective=tcp": lambda: _tfdist_rate(2, steps, ["--collective=tcp"]),
+        "tfdist 2 workers, --collective=shm": lambda: _tfdist_rate(2, steps, ["--collective=shm"]),
     }
     if bytes_per_pack:
         runs[f"tfdist 2 workers, bytes_per_pack={bytes_per_pack}"] = lambda: _tfdist_rate(

@@ -8,7 +8,8 @@ tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
   wait for each other to start (tfdist.rendezvous), so nothing hangs;
 - on a CPU host, each worker's simulated CPUs become replicas (TF would use one);
 - --collective=tcp sums gradients with tfdist's own TCP ring (tcp_ring.py)
-  instead of TF's gRPC collectives, which are slow on CPU;
+  instead of TF's gRPC collectives, which are slow on CPU; --collective=shm
+  sums them through shared memory when every worker is on this host (shm_ring.py);
 - Keras `fit` is repaired for this strategy (keras_fit_fix).
 TensorFlow allows one such strategy per process, so it is built once and reused.
 """
@@ -23,7 +24,7 @@ import tensorflow as tf
 
 from tfdist import cluster, devices, rendezvous
 from tfdist.errors import ClusterError, UsageError, require
-from tfdist.parallel import tcp_ring
+from tfdist.parallel import shm_ring, tcp_ring
 from tfdist.parallel.strategy import StrategyParallelism
 from tfdist.train import keras_fixes, step as step_math
 
@@ -34,7 +35,9 @@ COLLECTIVES = {
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
     # tcp: gradients go over tfdist's ring; TF's own (rare) collectives stay on auto
     "tcp": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "shm": tf.distribute.experimental.CommunicationImplementation.AUTO,   # same, on one host
 }
+TFDIST_COLLECTIVES = ("tcp", "shm")   # tfdist sums the gradients itself (ring_replica_step)
 _built = {}  # options -> the process's one MultiWorkerMirroredStrategy
 PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError,
                  tf.errors.DeadlineExceededError, tf.errors.CancelledError)
@@ -100,7 +103,9 @@ def simulated_cpu_replicas(count: int):
 
 
 def build_strategy(config, tf_config: cluster.TFConfig, local_devices):
-    key = (config.collective, config.bytes_per_pack, config.collective_timeout, tuple(local_devices))
+    # TF's options, not the flag: tcp and shm build the same strategy (auto), so one reuses it.
+    key = (COLLECTIVES[config.collective].name.lower(), config.bytes_per_pack,
+           config.collective_timeout, tuple(local_devices))
     if key in _built:
         return _built[key]
     if _built:
@@ -135,13 +140,14 @@ class MultiWorkerParallelism(StrategyParallelism):
         super().__init__("multi_worker_mirrored", strategy, local_devices)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
-        self.ring = None           # a TcpRing with --collective=tcp (connect_ring)
+        self.ring = None           # a TcpRing with --collective=tcp or shm (connect_ring)
+        self.reducer = None        # what sums the gradients: the ring, or shared memory on it
         self._sum_fn = None
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
-        if self.ring is None:
+        if self.reducer is None:
             return super().make_train_step(model, optimizer, global_batch_size, jit_compile)
-        replica_step = ring_replica_step(self.ring, model, optimizer, global_batch_size,
+        replica_step = ring_replica_step(self.reducer, model, optimizer, global_batch_size,
                                          jit_compile)
         strategy = self.strategy
 
@@ -168,6 +174,9 @@ class MultiWorkerParallelism(StrategyParallelism):
         return self._sum_fn(tf.constant(value, tf.float32)).numpy()
 
     def close(self) -> None:
+        if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce):
+            self.reducer.close()
+        self.reducer = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -203,33 +212,48 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
     if config.collective == "nccl" and not any("gpu" in d for d in local):
         raise UsageError(f"--collective=nccl needs GPUs, but this worker's devices are "
                          f"{', '.join(local)}. Use ring (or auto) on CPUs.")
-    if config.collective == "tcp":
+    if config.collective in TFDIST_COLLECTIVES:
         check_tcp_ring_config(config, local)
+    if config.collective == "shm":
+        check_one_host(tf_config)
     strategy = build_strategy(config, tf_config, local)
     log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
              tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
     parallel = MultiWorkerParallelism(strategy, local, tf_config)
-    if config.collective == "tcp" and tf_config.rank is not None:
-        parallel.ring = connect_ring(parallel, config.collective_timeout)
+    if config.collective in TFDIST_COLLECTIVES and tf_config.rank is not None:
+        parallel.ring = connect_ring(parallel, config.collective_timeout, config.collective)
+        parallel.reducer = (shm_ring.SharedMemoryAllReduce(parallel.ring)
+                            if config.collective == "shm" else parallel.ring)
     return parallel
 
 
-# --------------------------------------------------------------------------- --collective=tcp
+# ------------------------------------------------------------------- --collective=tcp / shm
 
 def check_tcp_ring_config(config, local) -> None:
+    flag = f"--collective={config.collective}"
     require(len(local) == 1 and "gpu" not in local[0].lower(),
-            f"--collective=tcp sums the gradients of one CPU device per worker, but this "
+            f"{flag} sums the gradients of one CPU device per worker, but this "
             f"worker has {', '.join(local)}. Use --devices_per_worker 1 (--num_gpus=0), or "
             f"--collective=ring / nccl.")
     require(config.trainer == "loop",
-            f"--collective=tcp works with --trainer=loop (tfdist's step sends the gradients); "
+            f"{flag} works with --trainer=loop (tfdist's step sends the gradients); "
             f"got --trainer={config.trainer}. Use --collective=auto with Keras fit.")
     require(config.mixed_precision != "mixed_float16",
-            "--collective=tcp does not support --mixed_precision=mixed_float16 (the loss "
+            f"{flag} does not support --mixed_precision=mixed_float16 (the loss "
             "scale would check unsummed gradients); use mixed_bfloat16 or float32.")
 
 
-def connect_ring(parallel: MultiWorkerParallelism, timeout: float) -> tcp_ring.TcpRing:
+def check_one_host(tf_config: cluster.TFConfig) -> None:
+    """Shared memory needs every worker on this machine."""
+    hosts = [cluster.split_address(a)[0] for a in tf_config.worker_addresses]
+    elsewhere = [h for h in hosts if not cluster.is_local_host(h)]
+    require(not elsewhere,
+            f"--collective=shm needs every worker on this host, but TF_CONFIG puts workers "
+            f"on {', '.join(sorted(set(elsewhere)))}. Use --collective=tcp across hosts.")
+
+
+def connect_ring(parallel: MultiWorkerParallelism, timeout: float,
+                 collective: str = "tcp") -> tcp_ring.TcpRing:
     """Listens on a free port, learns every worker's port through one TF all-reduce,
     and connects the ring (hosts from TF_CONFIG)."""
     tf_config = parallel.tf_config
@@ -243,18 +267,19 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float) -> tcp_ring.T
         ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
     except tcp_ring.TcpRingError as error:
         raise ClusterError(f"worker {tf_config.rank} of {tf_config.num_workers}: "
-                           f"--collective=tcp could not connect its ring ({error}). Check that "
-                           f"the workers can reach each other on any TCP port, or use "
-                           f"--collective=auto.") from None
+                           f"--collective={collective} could not connect its ring ({error}). "
+                           f"Check that the workers can reach each other on any TCP port, "
+                           f"or use --collective=auto.") from None
     finally:
         server.close()
-    log.info("collective tcp: ring of %d workers connected (ports %s)", len(hosts), ports)
+    log.info("collective %s: ring of %d workers connected (ports %s)", collective, len(hosts),
+             ports)
     return ring
 
 
-def ring_replica_step(ring: tcp_ring.TcpRing, model, optimizer, global_batch_size: int,
-                      jit_compile: bool):
-    """The replica step with gradients and loss summed in one buffer by the ring."""
+def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_compile: bool):
+    """The replica step with gradients and loss summed in one buffer by `reducer`
+    (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays)."""
     loss_and_grads = step_math.make_loss_and_grads(model, optimizer, global_batch_size,
                                                    jit_compile)
     variables = model.trainable_variables
@@ -262,7 +287,7 @@ def ring_replica_step(ring: tcp_ring.TcpRing, model, optimizer, global_batch_siz
     def replica_step(x, y):
         loss, grads = loss_and_grads(x, y)
         tensors = list(grads) + [loss]
-        summed = tf.numpy_function(ring.all_reduce_arrays, tensors, [tf.float32] * len(tensors),
+        summed = tf.numpy_function(reducer.all_reduce_arrays, tensors, [tf.float32] * len(tensors),
                                    stateful=True)
         summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
         with keras_fixes.gradients_already_summed(optimizer):

@@ -42,6 +42,49 @@ def listen(host: str) -> socket.socket:
     return server
 
 
+class BufferLayout:
+    """Where each of several float32 arrays sits in one flat buffer: every array
+    starts on a 64-byte boundary, because TensorFlow takes a numpy_function's
+    64-byte-aligned outputs without copying them (a misaligned one costs a copy;
+    tests/test_upstream_canaries.py watches this). The gaps are zeros."""
+
+    ALIGN = 16   # float32 elements in 64 bytes (EIGEN_MAX_ALIGN_BYTES)
+    _cache = {}
+
+    def __init__(self, shapes):
+        self.shapes = [tuple(shape) for shape in shapes]
+        self.sizes = [int(np.prod(shape)) for shape in self.shapes]
+        self.starts, end = [], 0
+        for size in self.sizes:
+            self.starts.append(end)
+            end += -(-size // self.ALIGN) * self.ALIGN
+        self.length = end
+
+    @classmethod
+    def of(cls, arrays) -> "BufferLayout":
+        shapes = tuple(np.shape(a) for a in arrays)
+        if shapes not in cls._cache:
+            cls._cache[shapes] = cls(shapes)
+        return cls._cache[shapes]
+
+    def empty(self) -> np.ndarray:
+        """A fresh, 64-byte-aligned buffer whose gaps are zero."""
+        raw = np.empty(self.length + self.ALIGN, np.float32)
+        skip = (-raw.ctypes.data % 64) // 4
+        buffer = raw[skip:skip + self.length]
+        for start, size in zip(self.starts, self.sizes):
+            buffer[start + size:start + -(-size // self.ALIGN) * self.ALIGN] = 0.0
+        return buffer
+
+    def pack(self, arrays, buffer: np.ndarray) -> None:
+        for start, size, array in zip(self.starts, self.sizes, arrays):
+            buffer[start:start + size] = np.reshape(array, -1)
+
+    def unpack(self, buffer: np.ndarray) -> List[np.ndarray]:
+        return [buffer[start:start + size].reshape(shape)
+                for start, size, shape in zip(self.starts, self.sizes, self.shapes)]
+
+
 class TcpRing:
     """A ring over `size` workers; `reduce_in_place(buffer)` sums a float32 buffer over it
     (`all_reduce` and `all_reduce_arrays` wrap it for a copy, and for several arrays)."""
@@ -80,14 +123,13 @@ class TcpRing:
         """Sums several float32 arrays as one buffer; returns arrays of the same shapes.
 
         One copy in (into a fresh buffer, so nothing TensorFlow still holds is ever
-        written) and none out: the results are views of that buffer.
+        written) and none out: the results are aligned views of that buffer.
         """
-        sizes = [a.size for a in arrays]
-        buffer = np.empty(sum(sizes), np.float32)
-        np.concatenate([a.reshape(-1) for a in arrays], out=buffer)
+        layout = BufferLayout.of(arrays)
+        buffer = layout.empty()
+        layout.pack(arrays, buffer)
         self.reduce_in_place(buffer)
-        bounds = np.cumsum([0] + sizes)
-        return [buffer[bounds[i]:bounds[i + 1]].reshape(a.shape) for i, a in enumerate(arrays)]
+        return layout.unpack(buffer)
 
     def reduce_in_place(self, out: np.ndarray) -> None:
         """Replaces the 1-D float32 array `out` by its sum over the ring."""
@@ -102,6 +144,25 @@ class TcpRing:
             np.add(incoming, scratch[:len(incoming)], out=incoming)
         for step in range(n - 1):        # all-gather: pass the summed chunks around
             self._exchange(chunks[(r + 1 - step) % n], chunks[(r - step) % n])
+
+    def barrier(self) -> None:
+        """Returns once every worker has called it: n-1 rounds of passing a byte on, so
+        round k tells each worker that its k-th predecessor has arrived."""
+        token, received = np.ones(1, np.uint8), np.empty(1, np.uint8)
+        for _ in range(self.size - 1):
+            self._exchange(token, received)
+
+    def all_gather_bytes(self, data: bytes, slot: int) -> List[bytes]:
+        """Every worker's `data` (at most `slot` bytes), in rank order."""
+        if len(data) > slot:
+            raise ValueError(f"{len(data)} bytes do not fit a {slot}-byte slot")
+        slots = np.zeros((self.size, slot + 2), np.uint8)  # 2 length bytes, then the data
+        slots[self.rank, :2] = divmod(len(data), 256)
+        slots[self.rank, 2:2 + len(data)] = np.frombuffer(data, np.uint8)
+        for step in range(self.size - 1):
+            self._exchange(slots[(self.rank - step) % self.size],
+                           slots[(self.rank - step - 1) % self.size])
+        return [bytes(row[2:2 + 256 * int(row[0]) + int(row[1])]) for row in slots]
 
     def _exchange(self, send: np.ndarray, receive: np.ndarray) -> None:
         """Sends to the next worker while receiving from the previous (no deadlock on

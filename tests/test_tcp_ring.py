@@ -165,7 +165,7 @@ def shared_memory_files():
     return {name for name in os.listdir(directory) if name.startswith("tfdist-shm-")}
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
 def test_shared_memory_sums_in_worker_order_with_the_same_bits_everywhere(size):
     before = shared_memory_files()
     rings = connect_rings(size)

@@ -67,23 +67,36 @@ def test_keras_tf_optimizer_still_sums_gradients_in_update_step():
         "self", "grads_and_vars"]
 
 
-def test_tf_still_takes_aligned_numpy_function_outputs_without_a_copy():
+def test_tf_still_takes_aligned_numpy_function_outputs_without_a_copy_or_a_write():
     """tcp_ring.BufferLayout aligns the summed gradients to 64 bytes so that
-    tf.numpy_function adopts them instead of copying (a copy of every gradient
-    per step, on the throughput benchmark's critical path). If TF starts copying
-    again, training stays correct but slower: re-measure the throughput suite."""
+    tf.numpy_function adopts them instead of copying (a copy of every gradient per
+    step, on the throughput benchmark's critical path). If TF starts copying again,
+    training stays correct but slower: re-measure the throughput suite.
+
+    --collective=shm returns views of the workers' shared result region, so it
+    also relies on TF never writing into memory it adopted: no op may reuse
+    ("forward") such an input buffer for its output, since the other workers
+    are still reading it (TF forwards only buffers it owns). If this part fails,
+    shm_ring must copy its results out again."""
     import numpy as np
     import tensorflow as tf
     from tfdist.parallel.tcp_ring import BufferLayout
 
     layout = BufferLayout([(1000,), (3,)])
     buffer = layout.empty()
+    buffer[:] = 1.0
 
-    @tf.function
-    def outputs():
+    def summed():
         return tf.numpy_function(lambda: layout.unpack(buffer), [], [tf.float32] * 2,
                                  stateful=True)
 
-    adopted, _ = outputs()
+    @tf.function
+    def last_uses():   # Mul and Relu are the outputs' only consumers: TF would forward
+        adopted, small = summed()   # a buffer it owned into their results
+        return adopted * 3.0, tf.nn.relu(small)
+
+    scaled, _ = last_uses()
+    assert float(scaled[0]) == 3.0 and np.all(buffer == 1.0)   # nothing written into it
+    adopted, _ = tf.function(summed)()
     buffer[:] = 7.0   # visible through a tensor only if TF did not copy it
     assert adopted.numpy()[0] == 7.0

@@ -4,13 +4,16 @@
 
 CONFIGS_JSON maps a name to RunConfig overrides (model/optimizer/trainer...);
 each is trained under multi_worker_mirrored (TensorFlow allows one such strategy
-per process, which tfdist reuses), and the chief writes OUT_DIR/NAME.json.
+per process, which tfdist reuses), the chief writes OUT_DIR/NAME.json, and every
+worker writes its final weights to OUT_DIR/NAME.rankR.npz.
 One launch pays TensorFlow's import once for all configs.
 """
 
 import json
 import os
 import sys
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +31,9 @@ def main(configs_json: str, out_dir: str) -> None:
         config = small_config(strategy="multi_worker_mirrored", simulate_devices=simulate,
                               model=model, results_json=os.path.join(out_dir, f"{name}.json"),
                               **overrides)
-        runner.run(config)
+        _, model = runner.run(config, return_model=True)
+        rank = os.environ["TFDIST_RANK"]
+        np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), *model.get_weights())
 
 
 if __name__ == "__main__":

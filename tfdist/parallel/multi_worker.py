@@ -284,10 +284,16 @@ def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_com
                                                    jit_compile)
     variables = model.trainable_variables
 
+    def sum_keeping_the_loss(*arrays):
+        """The sums; the loss (last) copied, since it outlives the step and shared
+        memory's sums are valid only until the next all-reduce (shm_ring)."""
+        summed = reducer.all_reduce_arrays(*arrays)
+        return summed[:-1] + [np.array(summed[-1], copy=True)]
+
     def replica_step(x, y):
         loss, grads = loss_and_grads(x, y)
         tensors = list(grads) + [loss]
-        summed = tf.numpy_function(reducer.all_reduce_arrays, tensors, [tf.float32] * len(tensors),
+        summed = tf.numpy_function(sum_keeping_the_loss, tensors, [tf.float32] * len(tensors),
                                    stateful=True)
         summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
         with keras_fixes.gradients_already_summed(optimizer):

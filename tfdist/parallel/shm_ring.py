@@ -12,13 +12,18 @@ One all-reduce of a float32 buffer of L elements over n workers:
   1. each worker copies its buffer into its own input region;
   2. barrier;
   3. worker r sums chunk r of every input region, in worker order 0..n-1, into
-     its result region (each chunk is summed once, by one worker, so every
-     worker gets bitwise the same sums);
+     chunk r of the one shared result region (each chunk is summed once, by one
+     worker, so every worker reads bitwise the same sums);
   4. barrier;
-  5. each worker copies every worker's result chunk into a fresh output array.
-The next call's step 1 only writes this worker's input region, which nobody reads
-after barrier 4; its step 3 writes after the next barrier 2, which nobody passes
-before finishing step 5. So two barriers per call are enough.
+  5. each worker returns views of the result region: nothing is copied out.
+Memory traffic is therefore one copy in and one pass of sums (a copy out cost a
+tenth of the throughput benchmark's step). The price is the contract: the
+returned arrays are valid until this worker's next call, which is how a
+training step uses them (the optimizer consumes the sums within the step).
+Why two barriers suffice: the next call's step 1 writes only this worker's
+input region, which nobody reads after barrier 4; its step 3 writes the result
+region only after the next barrier 2, which a worker reaches only once it has
+finished with this call's results.
 """
 
 import logging
@@ -48,26 +53,25 @@ class SharedMemoryAllReduce:
         self._length = None
         self._maps: List[mmap.mmap] = []
         self._inputs: List[np.ndarray] = []
-        self._results: List[np.ndarray] = []
+        self._result: np.ndarray = None   # in worker 0's file, after its input region
 
     def all_reduce_arrays(self, *arrays: np.ndarray) -> List[np.ndarray]:
-        """Sums several float32 arrays as one buffer; returns fresh arrays of the same shapes."""
+        """Sums several float32 arrays as one buffer; returns arrays of the same shapes
+        (views of the shared result region: valid until the next call)."""
+        if self.ring.size == 1:
+            return self.ring.all_reduce_arrays(*arrays)   # a copy: nothing to share
         layout = BufferLayout.of(arrays)
         self._map_regions(layout.length)
         rank = self.ring.rank
         layout.pack(arrays, self._inputs[rank])
         self.ring.barrier()
         mine = self._chunk(rank)
-        result = self._results[rank][mine]
-        np.copyto(result, self._inputs[0][mine])
-        for region in self._inputs[1:]:
+        result = self._result[mine]
+        np.add(self._inputs[0][mine], self._inputs[1][mine], out=result)
+        for region in self._inputs[2:]:
             np.add(result, region[mine], out=result)
         self.ring.barrier()
-        out = layout.empty()
-        for worker, results in enumerate(self._results):
-            chunk = self._chunk(worker)
-            out[chunk] = results[chunk]
-        return layout.unpack(out)
+        return layout.unpack(self._result)
 
     def _chunk(self, worker: int) -> slice:
         """Worker `worker`'s share of [0, L): n nearly equal contiguous chunks."""
@@ -76,24 +80,25 @@ class SharedMemoryAllReduce:
         return slice(bounds[worker], bounds[worker + 1])
 
     def _map_regions(self, length: int) -> None:
-        """Creates this worker's region, learns the others' and maps them (first call)."""
+        """Creates this worker's region (worker 0's also holds the result region), learns
+        the others' and maps them (first call)."""
         if self._length == length:
             return
         if self._length is not None:
             raise TcpRingError(f"shared-memory all-reduce of {length} floats, but the regions "
                                f"hold {self._length}: every step must sum the same buffer")
-        path = self._create_region(2 * length)
+        floats_of = [2 * length] + [length] * (self.ring.size - 1)
+        path = self._create_region(floats_of[self.ring.rank])
         try:
             paths = self.ring.all_gather_bytes(path.encode(), PATH_BYTES)
-            for peer_path in paths:
-                self._maps.append(_map_file(peer_path.decode(), 8 * length))
+            for peer_path, floats in zip(paths, floats_of):
+                self._maps.append(_map_file(peer_path.decode(), 4 * floats))
             self.ring.barrier()   # every worker holds every mapping ...
         finally:
             os.unlink(path)       # ... so the file can go: the mappings keep the memory
-        for region in self._maps:
-            floats = np.frombuffer(region, np.float32)
-            self._inputs.append(floats[:length])
-            self._results.append(floats[length:])
+        regions = [np.frombuffer(region, np.float32) for region in self._maps]
+        self._inputs = [region[:length] for region in regions]
+        self._result = regions[0][length:]
         self._length = length
         log.info("collective shm: %d workers sum %.1f MiB through shared memory in %s",
                  self.ring.size, 4 * length / 2**20, shared_memory_dir())
@@ -113,7 +118,7 @@ class SharedMemoryAllReduce:
         return path
 
     def close(self) -> None:
-        self._inputs, self._results = [], []
+        self._inputs, self._result = [], None
         for region in self._maps:
             try:
                 region.close()

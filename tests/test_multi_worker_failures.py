@@ -161,3 +161,41 @@ def test_launcher_ends_the_group_when_a_worker_is_killed(tmp_path):
             f"/proc/{pids[0]}/status").read()
     finally:
         launcher.kill()
+
+
+def test_shared_memory_that_cannot_be_reserved_is_a_usage_error(tmp_path):
+    """Before the first step, on every worker, with the directory named (exit 2)."""
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               TFDIST_SHM_DIR=str(tmp_path / "missing"))
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable, "-m",
+         "experiments.train", *TRAIN, "--train_steps=5", "--collective=shm",
+         "--collective_timeout=20"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert f"of shared memory in {tmp_path}/missing" in output
+    assert "Traceback" not in output and time.monotonic() - start < 60
+
+
+def test_sigterm_to_one_worker_stops_every_worker_at_the_same_step(tmp_path):
+    """The preemption flag is agreed at every step; with --collective=shm (and tcp)
+    it travels over tfdist's ring, not TF's gRPC collectives."""
+    from tfdist.errors import EXIT_PREEMPTED
+    log_path = tmp_path / "launch.log"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable, "-m",
+         "experiments.train", *TRAIN, "--train_steps=1000000", "--log_every=10",
+         "--collective=shm", "--collective_timeout=20", f"--model_dir={tmp_path / 'run'}"],
+        cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for_text(log_path, "step 20/", timeout=90)
+        os.kill(rank_pids(launcher.pid)[1], signal.SIGTERM)   # worker 1 only
+        assert launcher.wait(timeout=60) == EXIT_PREEMPTED, log_path.read_text()[-3000:]
+    finally:
+        launcher.kill()
+    saved = [line.split("saved a checkpoint at step ")[1].split()[0]
+             for line in log_path.read_text().splitlines() if "saved a checkpoint at step" in line]
+    assert len(saved) == 2 and saved[0] == saved[1], saved   # both workers, one step

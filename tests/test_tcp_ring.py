@@ -47,7 +47,7 @@ def run_all(fn, size):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("size,length", [(2, 1_000_003), (3, 10), (4, 7), (3, 2)])
+@pytest.mark.parametrize("size,length", [(2, 1_000_003), (3, 10), (4, 7), (3, 2), (2, 1)])
 def test_ring_sums_and_every_rank_gets_the_same_bits(size, length):
     rings = connect_rings(size)
     rng = np.random.default_rng(size)
@@ -222,3 +222,23 @@ def test_shm_with_workers_on_other_hosts_is_refused():
         '{"cluster": {"worker": ["localhost:2222", "127.0.0.1:2223"]}, '
         '"task": {"type": "worker", "index": 1}}')
     multi_worker.check_one_host(local)
+
+
+def test_shared_memory_that_cannot_be_reserved_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFDIST_SHM_DIR", str(tmp_path / "missing"))
+    rings = connect_rings(2)
+    errors = [None, None]
+
+    def prepare(rank):
+        try:
+            shm_ring.SharedMemoryAllReduce(rings[rank]).prepare([(1000,), ()])
+        except shm_ring.SharedMemoryUnavailable as error:
+            errors[rank] = str(error)
+
+    run_all(prepare, 2)
+    for rank, error in enumerate(errors):
+        size = "8 KiB" if rank == 0 else "4 KiB"   # worker 0 also holds the result region
+        assert f"worker {rank} cannot reserve {size} of shared memory in {tmp_path}/missing" \
+            in error and "--collective=tcp" in error
+    for ring in rings:
+        ring.close()

@@ -41,8 +41,15 @@ PATH_BYTES = 256   # one worker's region path, sent to the others in a fixed-siz
 
 
 def shared_memory_dir() -> str:
-    """tmpfs when the OS has it (no disk behind the pages), else the temp dir."""
+    """$TFDIST_SHM_DIR, else tmpfs when the OS has it (no disk behind the pages),
+    else the temp dir."""
+    if os.environ.get("TFDIST_SHM_DIR"):
+        return os.environ["TFDIST_SHM_DIR"]
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SharedMemoryUnavailable(TcpRingError):
+    """This worker cannot create its region (a full or missing directory)."""
 
 
 class SharedMemoryAllReduce:
@@ -72,6 +79,12 @@ class SharedMemoryAllReduce:
             np.add(result, region[mine], out=result)
         self.ring.barrier()
         return layout.unpack(self._result)
+
+    def prepare(self, shapes) -> None:
+        """Maps the regions for arrays of these shapes now (every worker at once),
+        so a lack of shared memory is reported before training, not in a step."""
+        if self.ring.size > 1:
+            self._map_regions(BufferLayout(shapes).length)
 
     def _chunk(self, worker: int) -> slice:
         """Worker `worker`'s share of [0, L): n nearly equal contiguous chunks."""
@@ -105,16 +118,21 @@ class SharedMemoryAllReduce:
 
     def _create_region(self, floats: int) -> str:
         directory = shared_memory_dir()
-        fd, path = tempfile.mkstemp(prefix=f"tfdist-shm-{self.ring.rank}-", dir=directory)
+        fd = path = None
         try:
+            fd, path = tempfile.mkstemp(prefix=f"tfdist-shm-{self.ring.rank}-", dir=directory)
             os.posix_fallocate(fd, 0, 4 * floats)  # fails now (ENOSPC), not SIGBUS later
         except OSError as error:
-            os.close(fd)
-            os.unlink(path)
-            raise TcpRingError(f"cannot reserve {4 * floats / 2**20:.1f} MiB of shared memory "
-                               f"in {directory} ({error}); free space there, or use "
-                               f"--collective=tcp") from None
-        os.close(fd)
+            if path:
+                os.unlink(path)
+            raise SharedMemoryUnavailable(
+                f"worker {self.ring.rank} cannot reserve {_size(4 * floats)} of shared "
+                f"memory in {directory} ({error.strerror}). Free space there (in Docker: "
+                f"--shm-size), point $TFDIST_SHM_DIR at a larger tmpfs, or use "
+                f"--collective=tcp.") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
         return path
 
     def close(self) -> None:
@@ -126,6 +144,10 @@ class SharedMemoryAllReduce:
                 pass
         self._maps = []
         self._length = None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def _map_file(path: str, size: int) -> mmap.mmap:

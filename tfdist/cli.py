@@ -150,7 +150,8 @@ class Doctor:
         gpus = len(tf.config.list_physical_devices("GPU"))
         if not tf.test.is_built_with_cuda():
             self.line("  not available: this TensorFlow is built without CUDA "
-                      "(multi-worker all-reduce uses the RING collective over gRPC)")
+                      "(CPU workers all-reduce with TF's ring over gRPC, or faster with "
+                      "tfdist's --collective=tcp, and =shm on one host)")
             return
         built = f"CUDA {info.get('cuda_version', '?')}, cuDNN {info.get('cudnn_version', '?')}"
         if gpus:

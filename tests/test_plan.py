@@ -241,6 +241,10 @@ def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(ca
     gpu = json.loads(capsys.readouterr().out)
     assert gpu["command"][:3] == ["python", "-m", "experiments.train"]
     assert "--num_gpus=2" in gpu["command"] and gpu["run_on"] == "every worker host"
+    assert "--collective=shm" not in cpu["command"] + gpu["command"]  # 2 devices per worker
+    assert cli.main(["plan", "--devices=2", "--workers=2", "--memory_per_device=1GiB",
+                     "--model=mlp", "--json", "--device_type=cpu"]) == 0
+    assert "--collective=shm" in json.loads(capsys.readouterr().out)["command"]
 
 
 def test_plans_the_modes_refuse_are_not_recommended(capsys):

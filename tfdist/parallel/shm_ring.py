@@ -113,8 +113,8 @@ class SharedMemoryAllReduce:
         self._inputs = [region[:length] for region in regions]
         self._result = regions[0][length:]
         self._length = length
-        log.info("collective shm: %d workers sum %.1f MiB through shared memory in %s",
-                 self.ring.size, 4 * length / 2**20, shared_memory_dir())
+        log.info("collective shm: %d workers sum %s through shared memory in %s",
+                 self.ring.size, _size(4 * length), shared_memory_dir())
 
     def _create_region(self, floats: int) -> str:
         directory = shared_memory_dir()

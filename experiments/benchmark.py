@@ -21,6 +21,8 @@ Suites:
              --steps=30 --trials=3.
   memory     the planner's gradients + activations estimate for one device
              against TensorFlow's allocator peak over one training step.
+  input      the input pipeline's ms per batch (worker 0 of 2, one thread),
+             vectorised against the element-by-element stream it replaced.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -37,7 +39,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory")
+SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -125,6 +127,10 @@ def main(argv):
         elif FLAGS.suite == "memory":
             from tfdist.benchmarks import memory
             rows = memory.compare_all()
+        elif FLAGS.suite == "input":
+            os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+            from tfdist.benchmarks import input_pipeline  # imports TF: after the thread limits
+            rows = input_pipeline.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

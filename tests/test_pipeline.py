@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.config import DataConfig
+from tfdist.benchmarks.input_pipeline import element_by_element
 from tfdist.data import base, pipeline
 
 NUM_EXAMPLES = 50
@@ -105,18 +106,6 @@ def test_a_resumed_stream_continues_where_it_stopped(start_step):
     resumed = [b[1].numpy().tolist()
                for b in resumed_fn(tf.distribute.InputContext()).take(20 - start_step)]
     assert resumed == whole[start_step:]
-
-
-def element_by_element(source, global_batch, seed, config, input_context, start_step):
-    """The reference the vectorised stream must equal: shuffled epochs, one element
-    at a time, skipped to the start step, sharded, batched per replica."""
-    examples = source.examples("train")
-    block = pipeline.shuffle_buffer_size(source, config)
-    epoch, offset = pipeline.resume_point(start_step * global_batch, source.info.size("train"))
-    stream = pipeline.forever(lambda e: pipeline.shuffled_epoch(examples, block, seed, e), epoch)
-    stream = stream.skip(offset).shard(input_context.num_input_pipelines,
-                                       input_context.input_pipeline_id)
-    return stream.batch(input_context.get_per_replica_batch_size(global_batch), True)
 
 
 @pytest.mark.parametrize("workers,replicas,start_step,shuffle_buffer", [

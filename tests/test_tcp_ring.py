@@ -237,7 +237,7 @@ def test_shared_memory_that_cannot_be_reserved_is_named(monkeypatch, tmp_path):
 
     run_all(prepare, 2)
     for rank, error in enumerate(errors):
-        size = "8 KiB" if rank == 0 else "4 KiB"   # worker 0 also holds the result region
+        size = "8.00 KiB" if rank == 0 else "4.00 KiB"   # worker 0 also holds the results
         assert f"worker {rank} cannot reserve {size} of shared memory in {tmp_path}/missing" \
             in error and "--collective=tcp" in error
     for ring in rings:

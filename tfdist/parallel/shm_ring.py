@@ -35,6 +35,7 @@ from typing import List
 import numpy as np
 
 from tfdist.parallel.tcp_ring import BufferLayout, TcpRing, TcpRingError
+from tfdist.plan.recommend import gib   # the one bytes formatter (TF-free)
 
 log = logging.getLogger("tfdist")
 PATH_BYTES = 256   # one worker's region path, sent to the others in a fixed-size slot
@@ -114,7 +115,7 @@ class SharedMemoryAllReduce:
         self._result = regions[0][length:]
         self._length = length
         log.info("collective shm: %d workers sum %s through shared memory in %s",
-                 self.ring.size, _size(4 * length), shared_memory_dir())
+                 self.ring.size, gib(4 * length), shared_memory_dir())
 
     def _create_region(self, floats: int) -> str:
         directory = shared_memory_dir()
@@ -126,7 +127,7 @@ class SharedMemoryAllReduce:
             if path:
                 os.unlink(path)
             raise SharedMemoryUnavailable(
-                f"worker {self.ring.rank} cannot reserve {_size(4 * floats)} of shared "
+                f"worker {self.ring.rank} cannot reserve {gib(4 * floats)} of shared "
                 f"memory in {directory} ({error.strerror}). Free space there (in Docker: "
                 f"--shm-size), point $TFDIST_SHM_DIR at a larger tmpfs, or use "
                 f"--collective=tcp.") from None
@@ -144,10 +145,6 @@ class SharedMemoryAllReduce:
                 pass
         self._maps = []
         self._length = None
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def _map_file(path: str, size: int) -> mmap.mmap:

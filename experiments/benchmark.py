@@ -23,6 +23,14 @@ Suites:
              against TensorFlow's allocator peak over one training step.
   input      the input pipeline's ms per batch (worker 0 of 2, one thread),
              vectorised against the element-by-element stream it replaced.
+  soak       2 workers (tfdist launch) train --steps (default 20,000) of the mlp on
+             synthetic data per --collectives choice, with --model_dir and
+             --checkpoint_every (default 200); threads, RSS and open files of each
+             worker, sampled from /proc after the first step and until it exits.
+  chaos      an uninterrupted 2-worker run, then the same under --max_restarts
+             --kills with --kills (default 10) seeded SIGKILLs of a random worker;
+             final weights against the uninterrupted run, examples trained twice
+             (counted), steps recomputed. --checkpoint_every defaults to 20 here.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -39,7 +47,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input")
+SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak", "chaos")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
@@ -53,7 +61,13 @@ flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,
                     "scaling: MODE:DEVICES contenders; modes default, mirrored, dtensor, "
                     "dtensor_megatron, pipeline. default:1 (the baseline) always runs.")
 flags.DEFINE_integer("run_timeout", 600, "scaling: seconds before one training process is "
-                     "killed and reported.")
+                     "killed and reported; soak and chaos: per launched job (their default: "
+                     "300 s + 0.1 s per step).")
+flags.DEFINE_integer("checkpoint_every", 0, "soak and chaos: --checkpoint_every of the training "
+                     "job (0: the suite's default, soak 200, chaos 20).")
+flags.DEFINE_integer("kills", 10, "chaos: SIGKILLs in a row; the job runs with --max_restarts=KILLS.")
+flags.DEFINE_integer("chaos_seed", 0, "chaos: seeds which worker is killed and at which step.")
+flags.DEFINE_string("chaos_collective", "auto", "chaos: the job's --collective.")
 flags.DEFINE_bool("worker", False, "Internal: this process is one worker of a launched group.")
 
 
@@ -106,6 +120,27 @@ def run_allreduce_suite():
     return rows
 
 
+def _given_or(name, default):
+    """The flag's value when given on the command line, else this suite's own default."""
+    return getattr(FLAGS, name) if FLAGS[name].present else default
+
+
+def run_soak_suite():
+    """No TensorFlow in this process while the jobs run: the workers get the cores."""
+    from tfdist.benchmarks import soak
+    steps = _given_or("steps", 20000)
+    return soak.run_suite(soak.parse_collectives(FLAGS.collectives), steps,
+                          FLAGS.checkpoint_every or 200, _given_or("run_timeout", 300 + 0.1 * steps))
+
+
+def run_chaos_suite():
+    from tfdist.benchmarks import chaos
+    checkpoint_every = FLAGS.checkpoint_every or 20
+    steps = _given_or("steps", chaos.default_steps(FLAGS.kills, checkpoint_every))
+    return chaos.run_suite(FLAGS.kills, steps, checkpoint_every, FLAGS.chaos_seed,
+                           FLAGS.chaos_collective, _given_or("run_timeout", 300 + 0.1 * steps))
+
+
 def main(argv):
     del argv
     progress.configure_logging()
@@ -131,6 +166,10 @@ def main(argv):
             os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
             from tfdist.benchmarks import input_pipeline  # imports TF: after the thread limits
             rows = input_pipeline.compare(FLAGS.steps, FLAGS.trials)
+        elif FLAGS.suite == "soak":
+            rows = run_soak_suite()
+        elif FLAGS.suite == "chaos":
+            rows = run_chaos_suite()
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

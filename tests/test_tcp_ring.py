@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from tfdist.errors import UsageError
-from tfdist.parallel import shm_ring, tcp_ring
+from tfdist.parallel import ring_auth, shm_ring, tcp_ring
+
+AUTH = ring_auth.RingAuth(secret=bytes(range(32)), job=ring_auth.job_id(["test"]))
 
 
 def connect_rings(size, timeout=10.0):
@@ -24,7 +26,7 @@ def connect_rings(size, timeout=10.0):
 
     def join(rank):
         rings[rank] = tcp_ring.TcpRing.connect(rank, ["127.0.0.1"] * size, ports,
-                                               servers[rank], timeout)
+                                               servers[rank], timeout, AUTH)
 
     run_all(join, size)
     return rings
@@ -94,7 +96,7 @@ def test_a_worker_that_never_connects_is_named():
         port = unused.getsockname()[1]
     with pytest.raises(tcp_ring.TcpRingError, match="could not connect to worker 1"):
         tcp_ring.TcpRing.connect(0, ["127.0.0.1"] * 2, [server.getsockname()[1], port],
-                                 server, timeout=0.5)
+                                 server, timeout=0.5, auth=AUTH)
 
 
 def test_tcp_with_two_devices_per_worker_is_refused():

@@ -24,11 +24,20 @@ Why two barriers suffice: the next call's step 1 writes only this worker's
 input region, which nobody reads after barrier 4; its step 3 writes the result
 region only after the next barrier 2, which a worker reaches only once it has
 finished with this call's results.
+
+A peer announces its region's path over the (authenticated) ring; this worker
+maps only a path that tfdist itself would have made for that rank: directly in
+shared_memory_dir(), named tfdist-shm-<rank>-<random>, a regular file of this
+uid (opened with O_NOFOLLOW) of exactly the expected size. Anything else is a
+TcpRingError naming the path and the peer. The first barrier of every call
+carries the buffer layout's digest, so workers with different models fail there.
 """
 
 import logging
 import mmap
 import os
+import re
+import stat
 import tempfile
 from typing import List
 
@@ -72,7 +81,7 @@ class SharedMemoryAllReduce:
         self._map_regions(layout.length)
         rank = self.ring.rank
         layout.pack(arrays, self._inputs[rank])
-        self.ring.barrier()
+        self.ring.barrier(layout.digest)   # every worker sums this layout, or nobody sums
         mine = self._chunk(rank)
         result = self._result[mine]
         np.add(self._inputs[0][mine], self._inputs[1][mine], out=result)
@@ -105,8 +114,9 @@ class SharedMemoryAllReduce:
         path = self._create_region(floats_of[self.ring.rank])
         try:
             paths = self.ring.all_gather_bytes(path.encode(), PATH_BYTES)
-            for peer_path, floats in zip(paths, floats_of):
-                self._maps.append(_map_file(peer_path.decode(), 4 * floats))
+            for peer, (peer_path, floats) in enumerate(zip(paths, floats_of)):
+                self._maps.append(self._map_peer_region(peer, peer_path.decode(errors="replace"),
+                                                        4 * floats))
             self.ring.barrier()   # every worker holds every mapping ...
         finally:
             os.unlink(path)       # ... so the file can go: the mappings keep the memory
@@ -121,7 +131,7 @@ class SharedMemoryAllReduce:
         directory = shared_memory_dir()
         fd = path = None
         try:
-            fd, path = tempfile.mkstemp(prefix=f"tfdist-shm-{self.ring.rank}-", dir=directory)
+            fd, path = tempfile.mkstemp(prefix=region_prefix(self.ring.rank), dir=directory)
             os.posix_fallocate(fd, 0, 4 * floats)  # fails now (ENOSPC), not SIGBUS later
         except OSError as error:
             if path:
@@ -136,6 +146,11 @@ class SharedMemoryAllReduce:
                 os.close(fd)
         return path
 
+    def _map_peer_region(self, peer: int, path: str, size: int) -> mmap.mmap:
+        addresses = self.ring.addresses
+        who = f"worker {peer}" + (f" ({addresses[peer]})" if addresses else "")
+        return map_region(path, peer, size, who)
+
     def close(self) -> None:
         self._inputs, self._result = [], None
         for region in self._maps:
@@ -147,13 +162,33 @@ class SharedMemoryAllReduce:
         self._length = None
 
 
-def _map_file(path: str, size: int) -> mmap.mmap:
+def region_prefix(rank: int) -> str:
+    return f"tfdist-shm-{rank}-"
+
+
+def map_region(path: str, rank: int, size: int, who: str) -> mmap.mmap:
+    """Maps the region `who` (worker `rank`) announced, if it is one tfdist made for that
+    rank (see the module docstring); else a TcpRingError naming the path and the peer."""
+    directory = os.path.abspath(shared_memory_dir())
+    # mkstemp's random part: 8 of [a-z0-9_]
+    name_ok = re.fullmatch(re.escape(region_prefix(rank)) + r"[a-z0-9_]{8}",
+                           os.path.basename(path))
+    if os.path.dirname(os.path.abspath(path)) != directory or not name_ok:
+        raise TcpRingError(f"{who} announced the shared memory region {path!r}, which is not "
+                           f"a tfdist-shm-{rank}-* file in {directory}: refusing to map it")
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
-        raise TcpRingError(f"cannot open a peer's shared memory {path} ({error}): are all "
-                           f"workers on this host? Use --collective=tcp across hosts") from None
+        raise TcpRingError(f"cannot open {who}'s shared memory {path} ({error.strerror}): are "
+                           f"all workers on this host? Use --collective=tcp across hosts") from None
     try:
+        info = os.fstat(fd)
+        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
+                or info.st_size != size):
+            raise TcpRingError(
+                f"{who} announced the shared memory region {path}, but it is not a regular "
+                f"file of uid {os.getuid()} with {size} bytes (uid {info.st_uid}, "
+                f"{stat.filemode(info.st_mode)}, {info.st_size} bytes): refusing to map it")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)

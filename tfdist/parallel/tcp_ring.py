@@ -11,34 +11,57 @@ Exact by construction: each chunk's sum is computed once, by one worker, and
 then copied to the others, so every worker applies bitwise the same gradients
 (replicas never drift apart); with two workers a + b == b + a bit for bit.
 
-No wait is unbounded: every socket has the collective timeout, and a peer that
-dies closes its sockets, which ends the step at once with a TcpRingError.
+Only this job's workers get in: every connection starts with ring_auth's
+mutual HMAC handshake (job, rank, world size, protocol version), and the
+listener keeps refusing strangers until the expected peer has proven itself.
+Every exchange is a frame whose header (magic, exchange number, a digest of the
+buffer layout, part, length) is checked before any payload byte is used, so a
+short, long or foreign frame, or two workers summing different models, is a
+TcpRingError naming the peer, never a changed sum.
+
+No wait is unbounded: each exchange has one deadline (--collective_timeout) that
+a trickling peer cannot extend, and a peer that dies closes its sockets, which
+ends the step at once with a TcpRingError.
 """
 
+import functools
+import hashlib
+import logging
 import socket
+import struct
 import threading
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
+from tfdist import cluster, rendezvous
+from tfdist.parallel import ring_auth
+from tfdist.parallel.ring_auth import RingAuth
+
+log = logging.getLogger("tfdist")
 SOCKET_BUFFER_BYTES = 4 << 20
 CONNECT_RETRY_SECONDS = 0.05
+HANDSHAKE_SECONDS = 5.0     # per connection: an honest peer answers in milliseconds, and a
+                            # stranger that stalls must not hold the door for the whole timeout
+ACCEPT_POLL_SECONDS = 0.2   # how often the acceptor looks up from accept() (to be stopped)
+FRAME = struct.Struct("<4sQ16sHHQ")   # magic, exchange number, layout digest, kind, part, bytes
+FRAME_MAGIC = b"TFDF"
+REDUCE_SCATTER, ALL_GATHER, BARRIER, GATHER_BYTES = 1, 2, 3, 4
+KIND_NAMES = {REDUCE_SCATTER: "reduce-scatter", ALL_GATHER: "all-gather", BARRIER: "barrier",
+              GATHER_BYTES: "byte gather"}
 
 
 class TcpRingError(RuntimeError):
-    """A peer closed its connection, or did not answer within the timeout."""
+    """A peer closed its connection, did not answer in time, or broke the protocol."""
 
 
-def bind_address(host: str) -> str:
-    """Loopback stays loopback (tfdist launch's default); anything else listens everywhere."""
-    return "127.0.0.1" if host in ("localhost", "127.0.0.1") else "0.0.0.0"
-
-
-def listen(host: str) -> socket.socket:
-    """A listener on an ephemeral port of this worker (its number is then exchanged)."""
-    server = socket.create_server((bind_address(host), 0))
-    server.listen(4)
+def listen(host: str, spans_hosts: bool = False) -> socket.socket:
+    """A listener on an ephemeral port of this worker's own address (its TF_CONFIG host;
+    the port number is then exchanged). Loopback stays loopback."""
+    family, address = rendezvous.bind_host(host, spans_hosts)
+    server = socket.create_server((address, 0), family=family)
+    server.listen(16)
     return server
 
 
@@ -46,7 +69,9 @@ class BufferLayout:
     """Where each of several float32 arrays sits in one flat buffer: every array
     starts on a 64-byte boundary, because TensorFlow takes a numpy_function's
     64-byte-aligned outputs without copying them (a misaligned one costs a copy;
-    tests/test_upstream_canaries.py watches this). The gaps are zeros."""
+    tests/test_upstream_canaries.py watches this). The gaps are zeros.
+    `digest` names the shapes in every frame, so workers with different models
+    fail at their first exchange instead of summing unrelated numbers."""
 
     ALIGN = 16   # float32 elements in 64 bytes (EIGEN_MAX_ALIGN_BYTES)
     _cache = {}
@@ -59,6 +84,7 @@ class BufferLayout:
             self.starts.append(end)
             end += -(-size // self.ALIGN) * self.ALIGN
         self.length = end
+        self.digest = layout_digest("arrays", self.shapes)
 
     @classmethod
     def of(cls, arrays) -> "BufferLayout":
@@ -85,33 +111,50 @@ class BufferLayout:
                 for start, size, shape in zip(self.starts, self.sizes, self.shapes)]
 
 
+def layout_digest(purpose: str, detail) -> bytes:
+    return hashlib.blake2b(f"{purpose}:{detail!r}".encode(), digest_size=16).digest()
+
+
+@functools.lru_cache(maxsize=256)   # bounded: a run sums a handful of buffer lengths
+def flat_digest(length: int) -> bytes:
+    return layout_digest("flat", length)
+
+
 class TcpRing:
     """A ring over `size` workers; `reduce_in_place(buffer)` sums a float32 buffer over it
     (`all_reduce` and `all_reduce_arrays` wrap it for a copy, and for several arrays)."""
 
     def __init__(self, rank: int, size: int, to_next: socket.socket, from_prev: socket.socket,
-                 timeout: float):
+                 timeout: float, addresses: Sequence[str] = ()):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.to_next, self.from_prev = to_next, from_prev
+        self.addresses = list(addresses)   # every worker's ring address, in rank order
+        self.prev_address = _peer_name(from_prev)
+        self._sequence = 0                 # exchanges so far: the same count on every worker
+        self._broken: Optional[str] = None
 
     @classmethod
     def connect(cls, rank: int, hosts: Sequence[str], ports: Sequence[int],
-                server: socket.socket, timeout: float) -> "TcpRing":
-        """Connects to the next worker and accepts the previous one (both before `timeout`)."""
+                server: socket.socket, timeout: float, auth: RingAuth) -> "TcpRing":
+        """Connects to the next worker and accepts the previous one, each authenticated
+        (both before `timeout`). The acceptor runs in a thread meanwhile: every worker
+        connects first, and a handshake needs the other side to be accepting."""
         size = len(hosts)
-        following = (rank + 1) % size
-        to_next = _connect(hosts[following], ports[following], timeout, following)
-        server.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+        acceptor = _Acceptor(server, auth, rank, size, deadline)
+        acceptor.start()
         try:
-            from_prev, _ = server.accept()
-        except socket.timeout:
-            raise TcpRingError(f"worker {(rank - 1) % size} did not connect to worker {rank} "
-                               f"within {timeout:.0f} s") from None
+            following = (rank + 1) % size
+            to_next = _connect_authenticated(hosts[following], ports[following], deadline,
+                                             following, rank, size, auth)
+            from_prev = acceptor.result()
         finally:
+            acceptor.stop()
             server.close()
         for sock in (to_next, from_prev):
             _tune(sock, timeout)
-        return cls(rank, size, to_next, from_prev, timeout)
+        addresses = [cluster.join_address(h, p) for h, p in zip(hosts, ports)]
+        return cls(rank, size, to_next, from_prev, timeout, addresses)
 
     def all_reduce(self, buffer: np.ndarray) -> np.ndarray:
         """Sums `buffer` (1-D float32) over the ring; returns a new array with the sums."""
@@ -128,29 +171,38 @@ class TcpRing:
         layout = BufferLayout.of(arrays)
         buffer = layout.empty()
         layout.pack(arrays, buffer)
-        self.reduce_in_place(buffer)
+        self.reduce_in_place(buffer, layout.digest)
         return layout.unpack(buffer)
 
-    def reduce_in_place(self, out: np.ndarray) -> None:
-        """Replaces the 1-D float32 array `out` by its sum over the ring."""
+    def reduce_in_place(self, out: np.ndarray, digest: Optional[bytes] = None) -> None:
+        """Replaces the 1-D float32 array `out` by its sum over the ring. `digest` names
+        its layout (default: its length); every worker must pass the same."""
         if self.size == 1:
             return
+        digest = digest or flat_digest(len(out))
         chunks = np.array_split(out, self.size)
         scratch = np.empty(max(len(c) for c in chunks), np.float32)
         n, r = self.size, self.rank
         for step in range(n - 1):        # reduce-scatter: chunk (r+1) % n ends up summed here
-            incoming = chunks[(r - step - 1) % n]
-            self._exchange(chunks[(r - step) % n], scratch[:len(incoming)])
+            sent, received = (r - step) % n, (r - step - 1) % n
+            incoming = chunks[received]
+            # Into scratch: the sum happens only once the whole checked frame arrived.
+            self._exchange(chunks[sent], scratch[:len(incoming)], digest, REDUCE_SCATTER,
+                           sent, received)
             np.add(incoming, scratch[:len(incoming)], out=incoming)
         for step in range(n - 1):        # all-gather: pass the summed chunks around
-            self._exchange(chunks[(r + 1 - step) % n], chunks[(r - step) % n])
+            sent, received = (r + 1 - step) % n, (r - step) % n
+            # Straight into `out`: a frame that fails midway raises, and the caller
+            # never sees this buffer (all_reduce's and all_reduce_arrays' own copy).
+            self._exchange(chunks[sent], chunks[received], digest, ALL_GATHER, sent, received)
 
-    def barrier(self) -> None:
+    def barrier(self, digest: bytes = b"\0" * 16) -> None:
         """Returns once every worker has called it: n-1 rounds of passing a byte on, so
-        round k tells each worker that its k-th predecessor has arrived."""
+        round k tells each worker that its k-th predecessor has arrived. Workers must
+        pass the same `digest` (shm passes its buffer layout's)."""
         token, received = np.ones(1, np.uint8), np.empty(1, np.uint8)
         for _ in range(self.size - 1):
-            self._exchange(token, received)
+            self._exchange(token, received, digest, BARRIER, 0, 0)
 
     def all_gather_bytes(self, data: bytes, slot: int) -> List[bytes]:
         """Every worker's `data` (at most `slot` bytes), in rank order."""
@@ -159,47 +211,200 @@ class TcpRing:
         slots = np.zeros((self.size, slot + 2), np.uint8)  # 2 length bytes, then the data
         slots[self.rank, :2] = divmod(len(data), 256)
         slots[self.rank, 2:2 + len(data)] = np.frombuffer(data, np.uint8)
+        digest = layout_digest("bytes", slot)
         for step in range(self.size - 1):
-            self._exchange(slots[(self.rank - step) % self.size],
-                           slots[(self.rank - step - 1) % self.size])
+            sent, received = (self.rank - step) % self.size, (self.rank - step - 1) % self.size
+            self._exchange(slots[sent], slots[received], digest, GATHER_BYTES, sent, received)
         return [bytes(row[2:2 + 256 * int(row[0]) + int(row[1])]) for row in slots]
 
-    def _exchange(self, send: np.ndarray, receive: np.ndarray) -> None:
-        """Sends to the next worker while receiving from the previous (no deadlock on
-        full socket buffers: the send runs in a thread)."""
+    def _exchange(self, send: np.ndarray, receive: np.ndarray, digest: bytes, kind: int,
+                  sent_part: int, received_part: int) -> None:
+        """Sends a frame to the next worker while receiving one from the previous (no
+        deadlock on full socket buffers: the send runs in a thread), both before one
+        deadline. A failed exchange breaks the ring: the streams are out of step."""
+        if self._broken:
+            raise TcpRingError(f"the ring broke earlier ({self._broken})")
+        deadline = time.monotonic() + self.timeout
+        sequence, self._sequence = self._sequence, self._sequence + 1
+        payload = memoryview(send).cast("B")
+        header = FRAME.pack(FRAME_MAGIC, sequence, digest, kind, sent_part, payload.nbytes)
         failure: List[BaseException] = []
 
         def sender():
             try:
-                self.to_next.sendall(memoryview(send).cast("B"))
-            except OSError as error:
+                _send_parts(self.to_next, [header, payload], deadline)
+            except (OSError, TcpRingError) as error:
                 failure.append(error)
 
         thread = threading.Thread(target=sender, daemon=True)
         thread.start()
         try:
-            _receive_exactly(self.from_prev, memoryview(receive).cast("B"))
+            view = memoryview(receive).cast("B")
+            expected = FRAME.pack(FRAME_MAGIC, sequence, digest, kind, received_part, view.nbytes)
+            self._receive_frame(expected, view, deadline)
+        except TcpRingError as error:
+            self._broken = str(error)
+            raise
         finally:
-            thread.join(self.timeout)
+            thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
         if failure or thread.is_alive():
+            self._broken = "a send failed"
             raise TcpRingError(f"worker {self.rank} could not send to worker "
-                               f"{(self.rank + 1) % self.size}: "
+                               f"{(self.rank + 1) % self.size}"
+                               f"{self._address_of((self.rank + 1) % self.size)}: "
                                f"{failure[0] if failure else 'timed out'}")
+
+    def _receive_frame(self, expected: bytes, view: memoryview, deadline: float) -> None:
+        """The header first, checked against `expected`; then exactly the payload."""
+        header = bytearray(FRAME.size)
+        _receive_exactly(self.from_prev, memoryview(header), deadline, self._peer_label())
+        if header != expected:
+            raise TcpRingError(f"{self._peer_label()} {frame_mismatch(bytes(header), expected)}")
+        _receive_exactly(self.from_prev, view, deadline, self._peer_label())
+
+    def _peer_label(self) -> str:
+        return f"worker {(self.rank - 1) % self.size} ({self.prev_address})"
+
+    def _address_of(self, rank: int) -> str:
+        return f" ({self.addresses[rank]})" if self.addresses else ""
 
     def close(self) -> None:
         for sock in (self.to_next, self.from_prev):
             sock.close()
 
 
-def _connect(host: str, port: int, timeout: float, peer: int) -> socket.socket:
-    deadline = time.monotonic() + timeout
+def frame_mismatch(got: bytes, expected: bytes) -> str:
+    """What differs between a received frame header and the expected one, in words."""
+    magic, sequence, digest, kind, part, length = FRAME.unpack(got)
+    _, want_sequence, want_digest, want_kind, want_part, want_length = FRAME.unpack(expected)
+    if magic != FRAME_MAGIC:
+        return "sent bytes that are not a tfdist ring frame (a stranger, or a corrupt stream)"
+    if sequence != want_sequence:
+        return (f"sent exchange #{sequence} while this worker expects #{want_sequence}: the "
+                f"workers are out of step")
+    if digest != want_digest:
+        return ("sums a different buffer layout than this worker (a different model, "
+                "optimizer or code version on some worker?)")
+    if (kind, part) != (want_kind, want_part):
+        return (f"sent a {KIND_NAMES.get(kind, kind)} frame of part {part}, expected a "
+                f"{KIND_NAMES[want_kind]} frame of part {want_part}")
+    return (f"sent a frame of {length} bytes, expected {want_length} "
+            f"({'oversized' if length > want_length else 'short'})")
+
+
+# ------------------------------------------------------------------ connecting
+
+class _Acceptor:
+    """Accepts connections until one proves it is worker rank-1 of this job, or the
+    deadline passes; strangers and wrong peers are logged, closed and ignored."""
+
+    def __init__(self, server: socket.socket, auth: RingAuth, rank: int, size: int,
+                 deadline: float):
+        self.server, self.auth, self.rank, self.size = server, auth, rank, size
+        self.deadline = deadline
+        self.rejected: List[str] = []
+        self._accepted: Optional[socket.socket] = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(ACCEPT_POLL_SECONDS * 5)
+
+    def result(self) -> socket.socket:
+        self._thread.join(max(0.0, self.deadline - time.monotonic()) + HANDSHAKE_SECONDS)
+        if self._accepted is not None:
+            return self._accepted
+        previous = (self.rank - 1) % self.size
+        tried = (f"; refused {len(self.rejected)} connection(s): {'; '.join(self.rejected[:5])}"
+                 if self.rejected else "")
+        raise TcpRingError(f"worker {previous} did not connect and authenticate to worker "
+                           f"{self.rank} within the timeout{tried}")
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.server.settimeout(min(remaining, ACCEPT_POLL_SECONDS))
+            try:
+                conn, address = self.server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return   # the listener was closed: connect() gave up
+            peer = cluster.join_address(*address[:2])
+            reason = self._authenticate(conn, peer)
+            if not reason:
+                self._accepted = conn
+                return
+            conn.close()
+            self.rejected.append(f"{peer} ({reason})")
+            log.warning("tfdist ring: worker %d refused a connection from %s: %s", self.rank,
+                        peer, reason)
+
+    def _authenticate(self, conn: socket.socket, peer: str) -> str:
+        """"" if `conn` is worker rank-1 of this job, else why not."""
+        deadline = min(self.deadline, time.monotonic() + HANDSHAKE_SECONDS)
+        previous = (self.rank - 1) % self.size
+        try:
+            theirs = _receive_bytes(conn, ring_auth.HELLO.size, deadline, peer)
+            wrong = ring_auth.hello_mismatch(theirs, ring_auth.CONNECTOR, self.size, previous,
+                                             self.auth)
+            if wrong:
+                return f"its hello has {wrong}"
+            mine = ring_auth.hello(ring_auth.ACCEPTOR, self.size, self.rank, self.auth)
+            _send_parts(conn, [mine + ring_auth.proof(self.auth, ring_auth.ACCEPTOR, theirs,
+                                                      mine)], deadline)
+            answer = _receive_bytes(conn, ring_auth.PROOF_BYTES, deadline, peer)
+            if not ring_auth.proof_holds(self.auth, ring_auth.CONNECTOR, theirs, mine, answer):
+                return "a wrong proof (it does not hold this job's secret)"
+            _send_parts(conn, [ring_auth.OK], deadline)
+            return ""
+        except (TcpRingError, OSError) as error:
+            return f"handshake failed: {error}"
+
+
+def _connect_authenticated(host: str, port: int, deadline: float, peer: int, rank: int,
+                           size: int, auth: RingAuth) -> socket.socket:
+    """A connection to worker `peer` that has proven itself, and accepted our proof."""
+    sock = _connect(host, port, deadline, peer)
+    label = f"worker {peer} ({cluster.join_address(host, port)})"
+    try:
+        mine = ring_auth.hello(ring_auth.CONNECTOR, size, rank, auth)
+        _send_parts(sock, [mine], deadline)
+        reply = _receive_bytes(sock, ring_auth.HELLO.size + ring_auth.PROOF_BYTES, deadline,
+                               label, closed=f"{label} refused this worker's handshake (a "
+                               f"different ${ring_auth.SECRET_ENV} or job there?)")
+        theirs, their_proof = reply[:ring_auth.HELLO.size], reply[ring_auth.HELLO.size:]
+        wrong = ring_auth.hello_mismatch(theirs, ring_auth.ACCEPTOR, size, peer, auth)
+        if wrong:
+            raise TcpRingError(f"{label} is not the expected peer: its hello has {wrong}")
+        if not ring_auth.proof_holds(auth, ring_auth.ACCEPTOR, mine, theirs, their_proof):
+            raise TcpRingError(f"{label} could not prove it holds this job's secret (a "
+                               f"different ${ring_auth.SECRET_ENV} there, or a stranger)")
+        _send_parts(sock, [ring_auth.proof(auth, ring_auth.CONNECTOR, mine, theirs)], deadline)
+        _receive_bytes(sock, 1, deadline, label, closed=f"{label} refused this worker's proof "
+                       f"(a different ${ring_auth.SECRET_ENV} there?)")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _connect(host: str, port: int, deadline: float, peer: int) -> socket.socket:
     while True:
         try:
-            return socket.create_connection((host, port), timeout=timeout)
+            return socket.create_connection((host, port),
+                                            timeout=max(0.01, deadline - time.monotonic()))
         except OSError as error:
             if time.monotonic() > deadline:
-                raise TcpRingError(f"could not connect to worker {peer} at {host}:{port} "
-                                   f"within {timeout:.0f} s: {error}") from None
+                raise TcpRingError(f"could not connect to worker {peer} at "
+                                   f"{cluster.join_address(host, port)} within the timeout: "
+                                   f"{error}") from None
             time.sleep(CONNECT_RETRY_SECONDS)
 
 
@@ -210,14 +415,56 @@ def _tune(sock: socket.socket, timeout: float) -> None:
     sock.settimeout(timeout)
 
 
-def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        return cluster.join_address(*sock.getpeername()[:2])
+    except (OSError, TypeError):
+        return "unknown address"
+
+
+# ------------------------------------------------------------------ bytes with deadlines
+
+def _send_parts(sock: socket.socket, parts, deadline: float) -> None:
+    """Sends every byte of `parts` (one sendmsg for all, usually) before `deadline`."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TcpRingError("the send did not finish within the collective timeout")
+        sock.settimeout(remaining)
+        try:
+            count = sock.sendmsg(views)
+        except socket.timeout:
+            raise TcpRingError("the send did not finish within the collective timeout") from None
+        while views and count >= views[0].nbytes:
+            count -= views[0].nbytes
+            views.pop(0)
+        if views:
+            views[0] = views[0][count:]
+
+
+def _receive_bytes(sock: socket.socket, count: int, deadline: float, peer: str,
+                   closed: str = "") -> bytes:
+    buffer = bytearray(count)
+    _receive_exactly(sock, memoryview(buffer), deadline, peer, closed)
+    return bytes(buffer)
+
+
+def _receive_exactly(sock: socket.socket, view: memoryview, deadline: float, peer: str,
+                     closed: str = "") -> None:
+    """Fills `view` from `sock` before `deadline` (one deadline for all the bytes, so a
+    peer that trickles them cannot stretch it)."""
     while view.nbytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TcpRingError(f"{peer} sent too little within the collective timeout")
+        sock.settimeout(remaining)
         try:
             count = sock.recv_into(view)
         except socket.timeout:
-            raise TcpRingError("a peer sent nothing within the collective timeout") from None
+            raise TcpRingError(f"{peer} sent nothing within the collective timeout") from None
         except OSError as error:
-            raise TcpRingError(f"connection to a peer failed: {error}") from None
+            raise TcpRingError(f"connection to {peer} failed: {error}") from None
         if count == 0:
-            raise TcpRingError("a peer closed its connection (it stopped or died)")
+            raise TcpRingError(closed or f"{peer} closed its connection (it stopped or died)")
         view = view[count:]

@@ -124,6 +124,27 @@ def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(collective, 
             worker.kill()
 
 
+@pytest.mark.parametrize("collective", ["auto", "tcp"])
+def test_silent_peer_ends_the_survivor_within_the_timeout(collective, tmp_path):
+    """A peer that stops answering without dying (SIGSTOP: no closed socket, no failed
+    heartbeat RPC yet) is caught by the per-process watchdog, which replaced TF's
+    per-collective timeout (a thread per collective, tfdist.parallel.watchdog)."""
+    ports = free_ports(2)
+    logs = [tmp_path / f"w{i}.log" for i in range(2)]
+    workers = [start_worker(ports, i, logs[i], collective) for i in range(2)]
+    try:
+        wait_for_text(logs[0], "step 100/", timeout=90)
+        workers[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert workers[0].wait(timeout=60) == EXIT_CLUSTER_ERROR
+        assert time.monotonic() - stopped < 20 + 5  # within --collective_timeout
+        log = logs[0].read_text()
+        assert "a peer died or stopped answering" in log and "Traceback" not in log, log[-2000:]
+    finally:
+        for worker in workers:
+            worker.kill()
+
+
 def rank_pids(launcher_pid):
     """pid of each worker the launcher started, by the TFDIST_RANK in its environment."""
     found = {}

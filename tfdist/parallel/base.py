@@ -81,6 +81,11 @@ class Parallelism(abc.ABC):
         self._scratch_dirs = (*self._scratch_dirs, scratch)
         return scratch
 
+    def guard(self, what: str):
+        """Context for work that waits on other processes (a Keras fit batch, say):
+        modes that span processes bound it by --collective_timeout."""
+        return contextlib.nullcontext()
+
     def translate_failures(self):
         """Context that turns the mode's infrastructure failures into clear errors."""
         return contextlib.nullcontext()

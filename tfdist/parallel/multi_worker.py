@@ -3,9 +3,12 @@
 A peer of `mirrored`: the same StrategyParallelism step, over
 tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
 - the cluster comes from a validated TF_CONFIG, or from Slurm's variables;
-- --collective / --bytes_per_pack / --collective_timeout become
-  CommunicationOptions; the timeout also bounds the rendezvous in which workers
-  wait for each other to start (tfdist.rendezvous), so nothing hangs;
+- --collective / --bytes_per_pack become CommunicationOptions; --collective_timeout
+  bounds the rendezvous in which workers wait for each other to start
+  (tfdist.rendezvous) and, through one watchdog thread per process
+  (tfdist.parallel.watchdog), every step, eval step and agreement between the
+  workers, so nothing hangs (TF's own per-collective timeout costs a thread per
+  collective, which a long job runs out of);
 - on a CPU host, each worker's simulated CPUs become replicas (TF would use one);
 - --collective=tcp sums gradients with tfdist's own TCP ring (tcp_ring.py)
   instead of TF's gRPC collectives, which are slow on CPU; --collective=shm
@@ -24,7 +27,7 @@ import tensorflow as tf
 
 from tfdist import cluster, devices, rendezvous
 from tfdist.errors import ClusterError, UsageError, require
-from tfdist.parallel import shm_ring, tcp_ring
+from tfdist.parallel import shm_ring, tcp_ring, watchdog
 from tfdist.parallel.strategy import StrategyParallelism
 from tfdist.train import keras_fixes, step as step_math
 
@@ -69,9 +72,12 @@ def resolver_for(tf_config: cluster.TFConfig, num_gpus: int):
 
 
 def communication_options(config) -> tf.distribute.experimental.CommunicationOptions:
+    """No timeout_seconds on purpose: with one, every TF collective starts a thread
+    that sleeps that long (measured on TF 2.21: ~4 new threads per step of a bare
+    MWMS loop, until the process cannot start threads). The watchdog bounds the
+    waits instead (tfdist.parallel.watchdog)."""
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=config.bytes_per_pack,
-        timeout_seconds=float(config.collective_timeout),
         implementation=COLLECTIVES[config.collective])
 
 
@@ -130,27 +136,51 @@ def peer_failure_summary(message: str) -> str:
                if re.search(r"unhealthy|aborted|timed out|deadline|heartbeat|TcpRingError",
                             line, re.I)]
     chosen = lines[telling[0]:telling[0] + 2] if telling else lines[-1:]
-    return " ".join(chosen)[:400]
+    # A numpy_function's error carries the Python traceback's first line: not for users.
+    return re.split(r"\s*Traceback \(most recent call last\)", " ".join(chosen))[0][:400]
 
 
 class MultiWorkerParallelism(StrategyParallelism):
     """StrategyParallelism whose chief is worker 0 (non-chiefs write to scratch dirs)."""
 
-    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig):
+    def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig,
+                 collective_timeout: float):
         super().__init__("multi_worker_mirrored", strategy, local_devices)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
         self.ring = None           # a TcpRing with --collective=tcp or shm (connect_ring)
         self.reducer = None        # what sums the gradients: the ring, or shared memory on it
         self._sum_fn = None
+        self.watchdog = watchdog.for_process(
+            collective_timeout, f"worker {tf_config.rank} of {tf_config.num_workers}")
+
+    def guard(self, what: str):
+        return self.watchdog.guard(what)
+
+    def _guarded(self, step_fn, what: str):
+        """step_fn under the watchdog: a peer that never answers ends this process (exit 3)."""
+        def guarded(iterator):
+            with self.watchdog.guard(what):
+                return step_fn(iterator)
+        return guarded
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+        return self._guarded(self._make_unguarded_train_step(
+            model, optimizer, global_batch_size, jit_compile), "a training step")
+
+    def make_eval_step(self, model):
+        return self._guarded(super().make_eval_step(model), "an eval step")
+
+    def _make_unguarded_train_step(self, model, optimizer, global_batch_size, jit_compile):
         if self.reducer is None:
             return super().make_train_step(model, optimizer, global_batch_size, jit_compile)
-        if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce):
-            self._map_shared_memory([tuple(v.shape) for v in model.trainable_variables] + [()])
+        # Shared memory is mapped while the step is traced (when the summed buffer's
+        # shapes, sparse gradients' included, are known), before anything runs.
+        on_trace = (self._map_shared_memory
+                    if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce) else None)
         replica_step = ring_replica_step(self.reducer, model, optimizer, global_batch_size,
-                                         jit_compile)
+                                         jit_compile, self.tf_config.rank,
+                                         self.tf_config.num_workers, on_trace)
         strategy = self.strategy
 
         @tf.function
@@ -178,6 +208,10 @@ class MultiWorkerParallelism(StrategyParallelism):
         the job, i.e. over the workers when each has one replica. Over tfdist's ring
         once it exists: the preemption check runs this at every step, and a gRPC
         all-reduce there cost 9% of the throughput benchmark's rate."""
+        with self.watchdog.guard("an agreement between the workers"):
+            return self._sum_unguarded(value)
+
+    def _sum_unguarded(self, value) -> np.ndarray:
         if self.ring is not None:
             value = np.asarray(value, np.float32)
             return self.ring.all_reduce(value.reshape(-1)).reshape(value.shape)
@@ -238,7 +272,7 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
     strategy = build_strategy(config, tf_config, local)
     log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
              tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
-    parallel = MultiWorkerParallelism(strategy, local, tf_config)
+    parallel = MultiWorkerParallelism(strategy, local, tf_config, config.collective_timeout)
     if config.collective in TFDIST_COLLECTIVES and tf_config.rank is not None:
         parallel.ring = connect_ring(parallel, config.collective_timeout, config.collective)
         parallel.reducer = (shm_ring.SharedMemoryAllReduce(parallel.ring)
@@ -296,9 +330,22 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float,
     return ring
 
 
-def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_compile: bool):
+def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_compile: bool,
+                      rank: int, num_workers: int, on_trace=None):
     """The replica step with gradients and loss summed in one buffer by `reducer`
-    (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays)."""
+    (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays).
+
+    Sparse gradients (tf.IndexedSlices from an embedding lookup) are gathered, not
+    summed dense: Keras applies IndexedSlices slice by slice (Adam's second moment
+    squares each slice before slices of one row add up), so the dense sum would give
+    another update than one device does (measured: 1.25e-2 relative on the
+    transformer's losses). Each worker writes its slices into its own block of a
+    zero buffer n times as long, and the sum of those buffers is the concatenation of
+    every worker's slices, exactly (x + 0 == x), which is what TF's own collectives
+    do for IndexedSlices and what the one-device batch holds.
+    `on_trace(shapes)`, if given, is called in Python while the step is traced, with
+    the shapes of the arrays every step will sum.
+    """
     loss_and_grads = step_math.make_loss_and_grads(model, optimizer, global_batch_size,
                                                    jit_compile)
     variables = model.trainable_variables
@@ -311,12 +358,54 @@ def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_com
 
     def replica_step(x, y):
         loss, grads = loss_and_grads(x, y)
-        tensors = list(grads) + [loss]
+        packed = [SparseBlocks(g, v, rank, num_workers) if isinstance(g, tf.IndexedSlices)
+                  else g for g, v in zip(grads, variables)]
+        tensors = [t for g in packed for t in (g.tensors if isinstance(g, SparseBlocks) else [g])]
+        tensors.append(loss)
+        if on_trace is not None:
+            on_trace([tuple(t.shape) for t in tensors])
         summed = tf.numpy_function(sum_keeping_the_loss, tensors, [tf.float32] * len(tensors),
                                    stateful=True)
         summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
         with keras_fixes.gradients_already_summed(optimizer):
-            optimizer.apply(summed[:-1], variables)
+            optimizer.apply(unpack_gradients(packed, summed[:-1]), variables)
         return summed[-1]
 
     return replica_step
+
+
+class SparseBlocks:
+    """One worker's IndexedSlices as two float32 tensors (values, indices) padded with
+    zeros into this worker's block of num_workers blocks, so a SUM gathers them."""
+
+    def __init__(self, grad: tf.IndexedSlices, variable, rank: int, num_workers: int):
+        rows = grad.values.shape[0]
+        require(rows is not None,
+                f"--collective=tcp/shm: the sparse gradient of {variable.path} has a dynamic "
+                f"number of rows; batch with drop_remainder=True, or use --collective=auto.")
+        require(variable.shape[0] < 2 ** 24,
+                f"--collective=tcp/shm sends embedding row indices as float32, exact below "
+                f"2**24 rows; {variable.path} has {variable.shape[0]}. Use --collective=auto.")
+        before, after = rank * rows, (num_workers - 1 - rank) * rows
+        padding = [[before, after]] + [[0, 0]] * (grad.values.shape.rank - 1)
+        self.tensors = [tf.pad(tf.cast(grad.values, tf.float32), padding),
+                        tf.pad(tf.cast(grad.indices, tf.float32), [[before, after]])]
+        self.index_dtype, self.dense_shape = grad.indices.dtype, grad.dense_shape
+        self.dtype = grad.values.dtype
+
+    def gathered(self, values, indices) -> tf.IndexedSlices:
+        return tf.IndexedSlices(tf.cast(values, self.dtype), tf.cast(indices, self.index_dtype),
+                                self.dense_shape)
+
+
+def unpack_gradients(packed, summed):
+    """The summed tensors back into one gradient per variable (IndexedSlices where sparse)."""
+    out, position = [], 0
+    for grad in packed:
+        if isinstance(grad, SparseBlocks):
+            out.append(grad.gathered(summed[position], summed[position + 1]))
+            position += 2
+        else:
+            out.append(summed[position])
+            position += 1
+    return out

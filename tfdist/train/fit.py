@@ -35,6 +35,37 @@ class StepLosses(keras.callbacks.Callback):
         checkpoint.failpoint("fit_epoch_end", epoch + 1)
 
 
+class GuardBatches(keras.callbacks.Callback):
+    """Each train and test batch under the mode's guard (the watchdog of a multi-worker
+    run: a peer that stops answering ends the process within --collective_timeout)."""
+
+    def __init__(self, parallel):
+        super().__init__()
+        self.parallel = parallel
+        self._open = None
+
+    def _begin(self, what):
+        self._open = self.parallel.guard(what)
+        self._open.__enter__()
+
+    def _end(self):
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin("a Keras fit batch")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._end()
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._begin("a Keras evaluate batch")
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._end()
+
+
 def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
     start = time.perf_counter()
     keras_fixes.repair_fit_for_collective_strategies(model)
@@ -47,7 +78,7 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
         source, config.global_batch_size, config.seed, config.data, start_step)
     recorder = StepLosses()
     model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
-              callbacks=callbacks + [recorder], verbose=0, shuffle=False)
+              callbacks=callbacks + [recorder, GuardBatches(parallel)], verbose=0, shuffle=False)
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
     rate = max(len(recorder.losses) - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
     eval_loss, eval_accuracy = evaluate(parallel, parallel.make_eval_step(model), source, config)

@@ -15,10 +15,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is impor
 from absl import app, flags  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import config as cfg  # noqa: E402
+from tfdist import config as cfg, parallel  # noqa: E402
 from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_PREEMPTED, EXIT_USAGE_ERROR,  # noqa: E402
                            ClusterError, Preempted, UsageError)
-from tfdist.train import progress  # noqa: E402
+from tfdist.train import model_dir_lock, progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -128,12 +128,21 @@ def summary(results: dict) -> str:
             f"{results['examples_per_sec']:.0f} examples/s | {results['train_seconds']:.1f} s")
 
 
+def run_checked_early(config: cfg.RunConfig) -> dict:
+    """tfdist.run, after the checks that need no TensorFlow (importing it costs seconds
+    per process): a one-process mode under a multi-worker cluster, and --model_dir's
+    lock, which a second run finds taken in milliseconds."""
+    parallel.spanned_cluster(config.strategy)
+    with model_dir_lock.hold_for(config):
+        return tfdist.run(config)   # takes the same lock again: this process holds it
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     progress.configure_logging()
     try:
-        results = tfdist.run(config_from_flags())
+        results = run_checked_early(config_from_flags())
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
         sys.exit(EXIT_USAGE_ERROR)

@@ -390,6 +390,37 @@ def _tasks_per_node(env: Mapping[str, str], num_nodes: int, ntasks: int) -> List
     return counts
 
 
+# --------------------------------------------------------------------------- the environment's clusters
+
+class ClusterDescription(NamedTuple):
+    """A cluster that this process's environment says it belongs to."""
+    variable: str             # the variable that describes it, as a message should name it
+    num_workers: int          # training processes in it
+    rank: Optional[int]       # this process's rank there; None for a task that does not train
+
+
+def clusters_in_environment(env: Mapping[str, str]) -> List[ClusterDescription]:
+    """Every cluster that TF_CONFIG, Slurm's srun or DTENSOR_* describe, validated.
+
+    Pure Python and cheap, so entry points ask before TensorFlow is imported.
+    Slurm counts only under srun (SLURM_STEP_NUM_TASKS): a batch script or an
+    salloc shell also has SLURM_NTASKS and SLURM_PROCID=0 but is one process,
+    whatever the allocation's size.
+    """
+    found = []
+    if env.get("TF_CONFIG"):
+        config = parse_tf_config(env["TF_CONFIG"])
+        found.append(ClusterDescription("TF_CONFIG", config.num_workers, config.rank))
+    if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+        tasks = _slurm_int(env, "SLURM_STEP_NUM_TASKS", None)
+        found.append(ClusterDescription("SLURM_STEP_NUM_TASKS", tasks,
+                                        _slurm_int(env, "SLURM_PROCID", None)))
+    dtensor = validate_dtensor_env(env)
+    if dtensor is not None:
+        found.append(ClusterDescription("DTENSOR_JOBS", dtensor.num_clients, dtensor.client_id))
+    return found
+
+
 # --------------------------------------------------------------------------- DTensor
 
 @dataclasses.dataclass(frozen=True)

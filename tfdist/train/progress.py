@@ -62,8 +62,23 @@ def configure_logging(level=logging.INFO) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("tfdist %(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
+        _attach_handler()
     log.setLevel(level)
-    log.propagate = False
+
+
+def ensure_logging() -> None:
+    """Makes `tfdist.run` from Python show its progress although the caller set up no
+    logging (Python would drop INFO lines then). A caller who configured the "tfdist"
+    logger or the root logger keeps exactly that: nothing added, no line twice."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    _attach_handler()
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+def _attach_handler() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tfdist %(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.propagate = False   # a root handler the caller adds later must not print it again

@@ -14,7 +14,7 @@ import keras
 
 from tfdist import data, models, parallel as parallel_lib
 from tfdist.config import DEFAULT_EPOCHS, RunConfig
-from tfdist.train import optimizers
+from tfdist.train import model_dir_lock, optimizers, progress
 from tfdist.train.loop import TrainingLoop
 
 log = logging.getLogger("tfdist")
@@ -77,7 +77,18 @@ def write_results(path: str, results: dict) -> None:
 
 
 def run(config: RunConfig, return_model: bool = False):
-    """Trains per `config` and returns the results dict (and the model if asked)."""
+    """Trains per `config` and returns the results dict (and the model if asked).
+
+    First, before any device or model exists: a one-process mode in a cluster of
+    several workers is refused, and the process that writes --model_dir locks it
+    for the whole run (released on errors too)."""
+    progress.ensure_logging()
+    parallel_lib.spanned_cluster(config.strategy)
+    with model_dir_lock.hold_for(config):
+        return _run(config, return_model)
+
+
+def _run(config: RunConfig, return_model: bool):
     parallel = parallel_lib.build_parallelism(config)
     parallel.validate_global_batch(config.global_batch_size)
     source = data.get_source(config.data)

@@ -1,0 +1,113 @@
+"""The soak and chaos benchmark suites: their bad settings, the kill planner, and one tiny
+real run of each so the suites cannot rot. The runs check that a suite ran and wrote its
+files with the expected columns, not speed or leaks (that is the suites' job).
+
+The two real runs start 2 and 4 `tfdist launch --workers 2` jobs: about 25 s and 60 s
+here on a quiet machine.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from tfdist.benchmarks import chaos, soak
+from tfdist.errors import UsageError
+
+SOAK_COLUMNS = ["collective", "worker", "steps", "exit", "wall_s", "threads_first", "threads_last",
+                "threads_ratio", "threads_peak", "rss_first_mb", "rss_last_mb", "rss_ratio",
+                "fds_first", "fds_last", "first_sample_step", "last_sample_step", "pass"]
+CHAOS_COLUMNS = ["collective", "steps", "checkpoint_every", "seed", "kills_requested",
+                 "kills_delivered", "restarts_seen", "exit", "killed_ranks", "kill_steps",
+                 "resumed_at", "steps_recomputed", "steps_recomputed_each", "reference_wall_s",
+                 "chaos_wall_s", "max_rel_weight_diff", "worst_variable", "epochs_checked",
+                 "examples_checked", "examples_trained_twice", "examples_missed", "pass"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: soak.parse_collectives("auto,bogus"),
+     "Unknown collective 'bogus' in --collectives='auto,bogus'. Valid choices: auto, ring"),
+    (lambda: soak.parse_collectives(" , "), "--collectives names none, got ' , '"),
+    (lambda: soak.run_suite(["tcp"], steps=0, checkpoint_every=10, timeout=60),
+     "--steps must be >= 1, got 0"),
+    (lambda: soak.run_suite(["tcp"], steps=10, checkpoint_every=-1, timeout=60),
+     "--checkpoint_every must be >= 1, got -1"),
+    (lambda: chaos.run_suite(0, 100, 10, seed=0, collective="auto", timeout=60),
+     "--kills must be >= 1, got 0"),
+    (lambda: chaos.run_suite(2, 100, 10, seed=0, collective="gloo", timeout=60),
+     "Unknown collective 'gloo'"),
+])
+def test_bad_settings_are_usage_errors_naming_the_value(call, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        call()
+
+
+def step_line(step, total=100):
+    return f"[worker 0] tfdist 12:00:00 step {step}/{total}  loss 1.0  100 examples/s"
+
+
+def test_a_kill_waits_for_a_checkpoint_of_its_own_attempt(tmp_path):
+    planner = chaos.KillPlanner(kills=2, checkpoint_every=10, seed=0, model_dir=str(tmp_path))
+    planner.read([step_line(s) for s in range(1, 41)])
+    assert planner.due() is None                 # no checkpoint committed yet
+    target, rank = planner.target
+    assert 10 < target <= 30 and rank in (0, 1)  # uniform in (R + C, R + 3C], R = 0
+    (tmp_path / "checkpoints.json").write_text(json.dumps({"checkpoints": ["ckpt-10", "ckpt-20"]}))
+    assert planner.due() == (rank, target)
+    planner.killed()
+    assert planner.due() is None                 # one kill per attempt
+
+    # The restarted attempt resumes at 20: its newest checkpoint must pass 20 first.
+    planner.read(["[tfdist launch] worker 1 was killed by SIGKILL (9); ended every worker. "
+                  "restart 1/2 with fresh ports."] + [step_line(s) for s in range(21, 61)])
+    assert planner.attempts[-1].resumed_at == 20 and planner.restarts_seen == 1
+    assert planner.due() is None
+    (tmp_path / "checkpoints.json").write_text(json.dumps({"checkpoints": ["ckpt-20", "ckpt-30"]}))
+    target, _ = planner.target
+    assert 30 < target <= 50 and planner.due() is not None
+    assert chaos.kept_ranges([0, 20, 40], 100) == [(0, 1, 20), (20, 21, 40), (40, 41, 100)]
+
+
+def run_suite(args, out_dir, timeout):
+    command = [sys.executable, "-m", "experiments.benchmark", *args, f"--out_dir={out_dir}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def read_csv(path):
+    with open(path) as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+@pytest.mark.slow
+def test_the_soak_suite_runs_and_writes_its_table(tmp_path):
+    done = run_suite(["--suite=soak", "--collectives=tcp", "--steps=60", "--checkpoint_every=20",
+                      "--run_timeout=240"], tmp_path, timeout=300)
+    columns, rows = read_csv(tmp_path / "soak.csv")
+    assert columns == SOAK_COLUMNS
+    assert [(r["collective"], r["worker"], r["steps"], r["exit"]) for r in rows] == [
+        ("tcp", "0", "60/60", "0"), ("tcp", "1", "60/60", "0")]
+    for row in rows:
+        assert int(row["threads_first"]) > 0 and int(row["rss_last_mb"]) > 0
+        assert 1 <= int(row["first_sample_step"]) <= int(row["last_sample_step"]) == 60
+    assert (tmp_path / "soak.md").read_text() in done.stdout
+
+
+@pytest.mark.slow
+def test_the_chaos_suite_kills_restarts_and_counts(tmp_path):
+    done = run_suite(["--suite=chaos", "--kills=2", "--checkpoint_every=10", "--run_timeout=300"],
+                     tmp_path, timeout=600)
+    columns, rows = read_csv(tmp_path / "chaos.csv")
+    assert columns == CHAOS_COLUMNS
+    (row,) = rows
+    assert row["exit"] == "0" and row["kills_delivered"] == row["restarts_seen"] == "2"
+    assert len(row["resumed_at"].split()) == 2 and int(row["examples_checked"]) > 0
+    float(row["max_rel_weight_diff"])   # a number: the run finished and was compared
+    assert (tmp_path / "chaos.md").read_text() in done.stdout

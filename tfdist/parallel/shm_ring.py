@@ -33,6 +33,7 @@ TcpRingError naming the path and the peer. The first barrier of every call
 carries the buffer layout's digest, so workers with different models fail there.
 """
 
+import errno
 import logging
 import mmap
 import os
@@ -179,6 +180,9 @@ def map_region(path: str, rank: int, size: int, who: str) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise TcpRingError(f"{who} announced the shared memory region {path}, which is a "
+                               f"symbolic link: refusing to map it") from None
         raise TcpRingError(f"cannot open {who}'s shared memory {path} ({error.strerror}): are "
                            f"all workers on this host? Use --collective=tcp across hosts") from None
     try:

@@ -47,7 +47,13 @@ def launch_command(argv: List[str]) -> int:
 
 def tf_config_command(argv: List[str]) -> int:
     """Prints the TF_CONFIG JSON (one line) for one rank of a real cluster."""
-    parser = ArgumentParser(prog="tfdist tf-config", description=tf_config_command.__doc__)
+    parser = ArgumentParser(
+        prog="tfdist tf-config", description=tf_config_command.__doc__,
+        epilog="With --collective=tcp across hosts, also give every worker the same "
+               "TFDIST_JOB_SECRET (the ring refuses to start without it): "
+               "export TFDIST_JOB_SECRET=$(python -c 'import secrets; "
+               "print(secrets.token_hex(32))') once per job, shared as a Kubernetes Secret or "
+               "exported in the sbatch script; `tfdist launch` sets it itself.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hosts", help="HOST:PORT,... in rank order; Slurm-style ranges expand: "
                                         "'train-[0-3].svc:2222'")
@@ -182,6 +188,7 @@ class Doctor:
     def cluster_environment(self) -> None:
         self.line("Cluster environment")
         self.tf_config()
+        self.ring_secret()
         self.dtensor()
         for name in ("TFDIST_RANK", "TFDIST_NUM_WORKERS", "TFDIST_RESTART_COUNT"):
             if name in os.environ:
@@ -201,6 +208,33 @@ class Doctor:
             self.line(f"  own port: {config.address} is free (or not on this machine)")
         except UsageError as error:
             self.problem(str(error))
+
+    def ring_secret(self) -> None:
+        """The secret of --collective=tcp/shm's ring (its value is never printed)."""
+        from tfdist.parallel import ring_auth
+        name = ring_auth.SECRET_ENV
+        if name in os.environ:
+            try:
+                secret = ring_auth.parse_secret(os.environ[name])
+                self.line(f"  {name}: set, {len(secret)} bytes (--collective=tcp/shm prove "
+                          f"membership with it)")
+            except UsageError as error:
+                self.problem(str(error))
+            return
+        hosts = []
+        if os.environ.get("TF_CONFIG"):
+            try:
+                addresses = cluster.parse_tf_config(os.environ["TF_CONFIG"]).worker_addresses
+                hosts = [cluster.split_address(a)[0] for a in addresses]
+            except UsageError:
+                pass   # tf_config() above reported it
+        remote = sorted({h for h in hosts if not cluster.is_local_host(h)})
+        if remote:
+            self.line(f"  {name}: not set, so --collective=tcp/shm will refuse to start (workers "
+                      f"on {', '.join(remote)}): {ring_auth.HOW_TO_SET}")
+        else:
+            self.line(f"  {name}: not set; tcp/shm workers on this host share the per-user "
+                      f"secret in {ring_auth.secret_file_path(os.environ)}")
 
     def dtensor(self) -> None:
         try:

@@ -1,4 +1,6 @@
-"""Test set-up: TensorFlow gets 4 simulated CPU devices once, before anything runs.
+"""Test set-up: TensorFlow gets 4 simulated CPU devices once, before anything runs;
+tests/suite_guard.py decides which tests run in which pytest process and fails
+the session if a test is skipped everywhere.
 
 Logical devices cannot change after TensorFlow initialises, so every in-process
 test shares these 4; tests needing another layout run a subprocess.
@@ -6,11 +8,28 @@ test shares these 4; tests needing another layout run a subprocess.
 
 import os
 
+import pytest
+
+import suite_guard
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 SIMULATED_CPUS = 4
 
+# DTensor tests run in a pytest process of their own (tests/test_isolated_dtensor.py):
+# DTensor's collectives and tf.distribute's share process-wide collective group
+# keys, and after one the other fails ("joining a group that is already full",
+# CancelledError in the sharded step), whichever runs first. A user process runs
+# one mode, so this only concerns the shared test process.
+# The one list of what runs there: these files, and any test marked `dtensor`.
+DTENSOR_PROCESS = "TFDIST_DTENSOR_PROCESS"
+DTENSOR = suite_guard.Process(
+    env_var=DTENSOR_PROCESS, runner="tests/test_isolated_dtensor.py", marker="dtensor",
+    files=("tests/test_dtensor.py", "tests/test_dtensor_multiclient.py",
+           "tests/test_dtensor_plan.py"))
+
 
 def pytest_configure(config):
+    suite_guard.install(config, [DTENSOR])
     from tfdist import devices
     devices.simulate_cpus(SIMULATED_CPUS)
     import tensorflow as tf
@@ -19,25 +38,11 @@ def pytest_configure(config):
     assert len(tf.config.list_logical_devices("CPU")) == SIMULATED_CPUS
 
 
-DTENSOR_PROCESS = "TFDIST_DTENSOR_PROCESS"
-
-
-def uses_dtensor(item) -> bool:
-    return "test_dtensor" in item.nodeid or "[dtensor]" in item.nodeid
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """DTensor tests run in a process of their own (tests/test_isolated_dtensor.py).
-
-    DTensor's collectives and tf.distribute's share process-wide collective group
-    keys: after one, the other fails ("joining a group that is already full",
-    CancelledError in the sharded step), whichever runs first. A user process runs
-    one mode, so this only concerns the shared test process.
-    """
-    import pytest
-    in_dtensor_process = bool(os.environ.get(DTENSOR_PROCESS))
-    for item in items:
-        if uses_dtensor(item) != in_dtensor_process:
-            where = "the main test process" if in_dtensor_process else "its own process"
-            item.add_marker(pytest.mark.skip(reason=f"runs in {where} "
-                                                    f"(see tests/test_isolated_dtensor.py)"))
+@pytest.fixture
+def run_own_process(request, tmp_path):
+    """run(env_var, fallback_args, timeout) -> (result, requested ids, passed ids): runs this
+    session's tests for that process in a fresh pytest (see tests/suite_guard.py)."""
+    def run(env_var, fallback_args, timeout):
+        return suite_guard.run_own_process(request.config, env_var, tmp_path, fallback_args,
+                                           timeout)
+    return run

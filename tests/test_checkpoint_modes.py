@@ -28,7 +28,12 @@ def config(mode, model_dir, steps):
                         checkpoint_every=5, **MODES[mode])
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+def mode_param(mode):
+    # The DTensor mode runs in the DTensor process (conftest.DTENSOR says why).
+    return pytest.param(mode, marks=pytest.mark.dtensor) if mode == "dtensor" else mode
+
+
+@pytest.mark.parametrize("mode", [mode_param(mode) for mode in MODES])
 def test_stop_and_rerun_continues_exactly(mode, tmp_path):
     straight = equivalence.train(config(mode, tmp_path / "straight", 20), "uninterrupted")
     equivalence.train(config(mode, tmp_path / "split", 10), "first half")

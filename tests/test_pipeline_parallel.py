@@ -223,24 +223,17 @@ def classify(name: str, source: str, target: str, position, stages: int) -> str:
 ISOLATED = "TFDIST_PIPELINE_PLACEMENT_CHECK"
 
 
-def test_placement_check_in_a_fresh_process():
+def test_placement_check_in_a_fresh_process(run_own_process):
     """Runs the cross-device check below in its own process: a user's run is one
     fresh program, and in a long shared test process one run once placed an input
     split on stage 1 after dozens of earlier models (not reproducible alone)."""
-    import os
-    import subprocess
-    import sys
-    from helpers import REPO
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_pipeline_parallel.py", "-k", "only_boundary_tensors_cross_devices"],
-        cwd=REPO, env=dict(os.environ, **{ISOLATED: "1"}), capture_output=True, text=True,
-        timeout=300)
-    assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout[-3000:]
+    result, requested, passed = run_own_process(ISOLATED, ["tests/test_pipeline_parallel.py"],
+                                                timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert len(passed) == 3 and set(requested) <= passed, (requested, passed)
 
 
-@pytest.mark.skipif(not __import__("os").environ.get(ISOLATED),
-                    reason="run by test_placement_check_in_a_fresh_process")
+@pytest.mark.own_process(ISOLATED)
 @pytest.mark.parametrize("model,devices,stages,schedule_name", [
     ("cnn", 4, 4, "gpipe"), ("mlp", 4, 2, "gpipe"), ("mlp", 4, 2, "1f1b")])
 def test_only_boundary_tensors_cross_devices(model, devices, stages, schedule_name):

@@ -1,0 +1,206 @@
+"""The suite guard: no test is skipped everywhere, and every skip gives an allowed reason.
+
+Some tests must run in a pytest process of their own (DTensor and tf.distribute
+share process-wide collective state; the pipeline placement check wants a fresh
+program). The main process skips them, and a "runner" test there starts the
+other process with ENV_VAR=1 (run_own_process). Nothing used to notice when a
+runner stopped running one of them, or when a test skipped for a reason nobody
+meant, so this plugin, installed by tests/conftest.py in every pytest process:
+
+- decides where each test runs from something explicit: its file (a process's
+  file list), a marker (`dtensor`), or `@pytest.mark.own_process("ENV_VAR")`;
+  in the main process the others are skipped, in another process the main
+  process's tests are deselected (the main process runs them);
+- in a process started by a runner, appends each passed node id to
+  $TFDIST_PASSED_IDS_FILE; the runner hands those ids back to the main process;
+- at the end of the session fails it (exit 1), naming node id and reason, if a
+  test skipped here "because it runs elsewhere" did not pass there, or if any
+  other skip's reason is not in ALLOWED_SKIPS.
+"""
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import pytest
+
+PASSED_IDS_FILE = "TFDIST_PASSED_IDS_FILE"
+OWN_PROCESS_MARKER = "own_process"
+
+# What a skip may say; anything else fails the session. Keep it short: a skip
+# is a test that does not run, so each kind must be a fact about the machine.
+ALLOWED_SKIPS: Tuple[Tuple[str, "re.Pattern"], ...] = (
+    ("no GPU", re.compile(r"\bneeds \d+ GPUs?\b|\bno GPUs?\b", re.I)),
+    ("a missing optional system, with the command that installs it (e.g. 'Slurm not "
+     "installed: apt-get install slurm-wlm munge')",
+     re.compile(r"\b(apt-get|apt|pip|conda) install \S", re.I)),
+    ("a missing optional Python package (pytest.importorskip)",
+     re.compile(r"^could not import '[\w.]+'")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Process:
+    """A pytest process of its own: started with `env_var`=1 by `runner`."""
+    env_var: str
+    runner: str                       # the main-process test that starts it
+    files: Tuple[str, ...] = ()       # every test in these files (rootdir-relative) runs there
+    marker: Optional[str] = None      # ... and every test with this marker
+
+
+@dataclasses.dataclass
+class _State:
+    processes: Tuple[Process, ...]
+    here: Optional[str] = None                                   # env var of this process
+    elsewhere: Dict[str, str] = dataclasses.field(default_factory=dict)  # node id -> env var
+    passed_in: Dict[str, Set[str]] = dataclasses.field(default_factory=dict)
+    skips: Dict[str, str] = dataclasses.field(default_factory=dict)      # node id -> reason
+    problems: List[str] = dataclasses.field(default_factory=list)
+
+
+_state: Optional[_State] = None  # one per pytest process, like the plugin itself
+
+
+def install(config, processes: Sequence[Process]) -> None:
+    """Called from a conftest's pytest_configure."""
+    global _state
+    _state = _State(tuple(processes))
+    config.addinivalue_line(
+        "markers", f"{OWN_PROCESS_MARKER}(env_var): runs only in the pytest process a runner "
+                   "test starts with env_var=1 (tests/suite_guard.py)")
+    for process in processes:
+        if process.marker:
+            config.addinivalue_line("markers", f"{process.marker}: runs in the pytest process "
+                                               f"with {process.env_var}=1 ({process.runner})")
+    config.pluginmanager.register(sys.modules[__name__], "tfdist_suite_guard")
+
+
+def process_of(item) -> Optional[str]:
+    """The env var of the process `item` runs in; None for the main process."""
+    marker = item.get_closest_marker(OWN_PROCESS_MARKER)
+    if marker:
+        return marker.args[0]
+    path = pathlib.Path(item.path).relative_to(item.config.rootpath).as_posix()
+    for process in _state.processes:
+        if path in process.files or (process.marker and item.get_closest_marker(process.marker)):
+            return process.env_var
+    return None
+
+
+def runner_of(env_var: str) -> str:
+    return next((p.runner for p in _state.processes if p.env_var == env_var),
+                f"the test that uses {OWN_PROCESS_MARKER}({env_var!r})")
+
+
+def elsewhere_reason(env_var: str) -> str:
+    return f"runs in its own pytest process ({env_var}=1, started by {runner_of(env_var)})"
+
+
+def _current_process(wanted: Set[str]) -> Optional[str]:
+    chosen = sorted(var for var in wanted if os.environ.get(var))
+    if len(chosen) > 1:
+        raise pytest.UsageError(f"Set at most one of {', '.join(chosen)} (each names one "
+                                f"pytest process of its own).")
+    return chosen[0] if chosen else None
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m: only the tests this session really selected
+def pytest_collection_modifyitems(session, config, items):
+    where = {item.nodeid: process_of(item) for item in items}
+    _state.here = _current_process({p.env_var for p in _state.processes}
+                                   | {v for v in where.values() if v})
+    keep, deselected = [], []
+    for item in items:
+        there = where[item.nodeid]
+        if there == _state.here:
+            keep.append(item)
+        elif _state.here is None:
+            _state.elsewhere[item.nodeid] = there
+            item.add_marker(pytest.mark.skip(reason=elsewhere_reason(there)))
+            keep.append(item)
+        else:
+            deselected.append(item)  # a main-process test: the main process runs it
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and os.environ.get(PASSED_IDS_FILE):
+        with open(os.environ[PASSED_IDS_FILE], "a") as f:
+            f.write(report.nodeid + "\n")
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _state.skips[report.nodeid] = _reason(report)
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped (pytest.skip or importorskip at import)
+        _state.skips[report.nodeid] = _reason(report)
+
+
+def _reason(report) -> str:
+    text = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
+def run_own_process(config, env_var: str, tmp_path, fallback_args: Sequence[str],
+                    timeout: float):
+    """Runs, in a fresh `pytest` with env_var=1, the tests this session skipped for it
+    (or, if it skipped none, `fallback_args`); returns (result, requested ids, passed ids).
+    The passed ids are recorded for the end-of-session check."""
+    requested = sorted(n for n, var in _state.elsewhere.items() if var == env_var)
+    passed_file = pathlib.Path(tmp_path) / f"{env_var}.passed"
+    env = dict(os.environ, **{env_var: "1", PASSED_IDS_FILE: str(passed_file)})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         *(requested or fallback_args)],
+        cwd=config.rootpath, env=env, capture_output=True, text=True, timeout=timeout)
+    passed = set(passed_file.read_text().splitlines()) if passed_file.exists() else set()
+    _state.passed_in.setdefault(env_var, set()).update(passed)
+    return result, requested, passed
+
+
+def _problems(session_ok: bool) -> List[str]:
+    problems = []
+    for nodeid, reason in sorted(_state.skips.items()):
+        var = _state.elsewhere.get(nodeid)
+        if var is not None and reason == elsewhere_reason(var):
+            # Only a whole, passing session has run its runners to the end.
+            if session_ok and nodeid not in _state.passed_in.get(var, ()):
+                problems.append(_not_run_elsewhere(nodeid, var))
+        elif not any(pattern.search(reason) for _, pattern in ALLOWED_SKIPS):
+            allowed = "; ".join(name for name, _ in ALLOWED_SKIPS)
+            problems.append(f"{nodeid} skipped with reason {reason!r}, which is not an "
+                            f"allowed reason (allowed: {allowed}; or runs in a process of "
+                            f"its own, see tests/suite_guard.py)")
+    return problems
+
+
+def _not_run_elsewhere(nodeid: str, var: str) -> str:
+    if var in _state.passed_in:
+        return (f"{nodeid} is skipped here because it runs in the {var}=1 process, "
+                f"but it did not pass there")
+    path = nodeid.split("::")[0]
+    return (f"{nodeid} is skipped here because it runs in the {var}=1 process, and this "
+            f"session did not start that process: include {runner_of(var)}, or run "
+            f"`{var}=1 python -m pytest {path}`")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.option.collectonly:
+        return
+    _state.problems = _problems(session_ok=exitstatus == pytest.ExitCode.OK)
+    if _state.problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.shouldfail = f"suite guard: {len(_state.problems)} problem(s), listed above"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _state.problems:
+        terminalreporter.section("suite guard", red=True, bold=True)
+        for problem in _state.problems:
+            terminalreporter.line("SUITE GUARD: " + problem, red=True)

@@ -1,0 +1,101 @@
+"""tests/suite_guard.py, on a small suite of its own in a real pytest subprocess.
+
+No TensorFlow here: the suites below import only pytest, so each run is about
+a second. Each case is a set of test files and the verdict the guard must give.
+"""
+
+import os
+import subprocess
+import sys
+import re
+import textwrap
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PROCESS = "TFDIST_GUARD_DEMO_PROCESS"
+
+CONFTEST = f"""
+import sys
+sys.path.insert(0, {TESTS_DIR!r})
+import pytest
+import suite_guard
+
+def pytest_configure(config):
+    suite_guard.install(config, [suite_guard.Process(
+        env_var={PROCESS!r}, runner="test_runner.py", files=("test_elsewhere.py",))])
+
+@pytest.fixture
+def run_own_process(request, tmp_path):
+    return lambda var, args, timeout: suite_guard.run_own_process(
+        request.config, var, tmp_path, args, timeout)
+"""
+ELSEWHERE = """
+import os
+def test_one(): pass
+def test_two(): assert os.environ.get("BREAK_TWO") is None
+"""
+# A lax runner on purpose: it asserts nothing, so only the guard can notice.
+RUNNER = f"""
+def test_runner(run_own_process):
+    run_own_process({PROCESS!r}, ["test_elsewhere.py"], 60)
+"""
+ALLOWED = """
+import pytest
+@pytest.mark.skipif(True, reason="needs 2 GPUs (none on this machine)")
+def test_gpu(): pass
+def test_slurm(): pytest.skip("Slurm is not installed (apt-get install slurm-wlm munge)")
+def test_optional_package(): pytest.importorskip("no_such_package_here")
+"""
+NOT_ALLOWED = """
+import pytest
+def test_flaky(): pytest.skip("flaky today")
+"""
+
+
+def run_suite(tmp_path, files, env=None):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    clean = {k: v for k, v in os.environ.items()
+             if k not in (PROCESS, "TFDIST_PASSED_IDS_FILE", "PYTEST_ADDOPTS")}
+    clean["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # hypothesis' plugin alone costs seconds
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, env=dict(clean, **(env or {})), capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("files,env,verdict", [
+    ({"test_allowed.py": ALLOWED}, {}, None),
+    ({"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER}, {}, None),
+    ({"test_not_allowed.py": NOT_ALLOWED}, {},
+     "test_not_allowed.py::test_flaky skipped with reason 'flaky today', which is not an "
+     "allowed reason"),
+    ({"test_elsewhere.py": ELSEWHERE}, {},
+     f"test_elsewhere.py::test_one is skipped here because it runs in the {PROCESS}=1 "
+     f"process, and this session did not start that process: include test_runner.py"),
+    ({"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER}, {"BREAK_TWO": "1"},
+     f"test_elsewhere.py::test_two is skipped here because it runs in the {PROCESS}=1 "
+     f"process, but it did not pass there"),
+], ids=["allowed_skips", "run_elsewhere", "reason_not_allowed", "runner_not_in_session",
+        "failed_elsewhere"])
+def test_guard_verdict(files, env, verdict, tmp_path):
+    result = run_suite(tmp_path, files, env)
+    output = result.stdout + result.stderr
+    if verdict is None:
+        assert result.returncode == 0, output
+        assert "SUITE GUARD" not in output
+    else:
+        assert result.returncode == 1, output
+        assert "SUITE GUARD: " + verdict in output, output
+        assert re.search(r"!+ suite guard: \d problem\(s\), listed above !+", output), output
+
+
+def test_the_other_process_runs_only_its_own_tests(tmp_path):
+    """Started with PROCESS=1, the suite runs test_elsewhere.py's tests and deselects
+    the rest (the main process runs those), so nothing is skipped there."""
+    result = run_suite(tmp_path, {"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER},
+                       {PROCESS: "1"})
+    assert result.returncode == 0, result.stdout
+    assert "2 passed, 1 deselected" in result.stdout, result.stdout

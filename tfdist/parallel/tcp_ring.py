@@ -148,6 +148,10 @@ class TcpRing:
             to_next = _connect_authenticated(hosts[following], ports[following], deadline,
                                              following, rank, size, auth)
             from_prev = acceptor.result()
+        except BaseException:
+            acceptor.stop()
+            acceptor.discard()   # a peer it let in after all: nobody will read it
+            raise
         finally:
             acceptor.stop()
             server.close()
@@ -243,12 +247,12 @@ class TcpRing:
             expected = FRAME.pack(FRAME_MAGIC, sequence, digest, kind, received_part, view.nbytes)
             self._receive_frame(expected, view, deadline)
         except TcpRingError as error:
-            self._broken = str(error)
+            self._break(str(error))   # also wakes our sender, if the next worker stalls it
             raise
         finally:
             thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
         if failure or thread.is_alive():
-            self._broken = "a send failed"
+            self._break("a send failed")
             raise TcpRingError(f"worker {self.rank} could not send to worker "
                                f"{(self.rank + 1) % self.size}"
                                f"{self._address_of((self.rank + 1) % self.size)}: "
@@ -261,6 +265,16 @@ class TcpRing:
         if header != expected:
             raise TcpRingError(f"{self._peer_label()} {frame_mismatch(bytes(header), expected)}")
         _receive_exactly(self.from_prev, view, deadline, self._peer_label())
+
+    def _break(self, reason: str) -> None:
+        """No later exchange can trust these streams: refuse them from now on, and shut
+        the sockets so that both neighbours see at once that this worker stopped."""
+        self._broken = reason
+        for sock in (self.to_next, self.from_prev):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _peer_label(self) -> str:
         return f"worker {(self.rank - 1) % self.size} ({self.prev_address})"
@@ -313,6 +327,11 @@ class _Acceptor:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(ACCEPT_POLL_SECONDS * 5)
+
+    def discard(self) -> None:
+        if self._accepted is not None:
+            self._accepted.close()
+            self._accepted = None
 
     def result(self) -> socket.socket:
         self._thread.join(max(0.0, self.deadline - time.monotonic()) + HANDSHAKE_SECONDS)

@@ -115,21 +115,29 @@ def user_secret(path: str) -> bytes:
     """This user's secret in `path`, created (0600) by the first worker that needs it.
     Workers that start together race here: each writes a complete file under a
     temporary name and links it into place, which only one link can win."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     if not os.path.lexists(path):
-        temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, secrets.token_hex(32).encode())
-        finally:
-            os.close(fd)
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass   # another worker won the race: use its secret
-        finally:
-            os.unlink(temporary)
+            _create_secret_file(path)
+        except OSError as error:   # e.g. a read-only home in a container
+            raise UsageError(f"cannot create the ring's secret file {path} ({error.strerror}). "
+                             f"Set ${SECRET_ENV} instead: {HOW_TO_SET}.") from None
     return parse_secret(_read_private_file(path), where=f"the secret file {path}")
+
+
+def _create_secret_file(path: str) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        pass   # another worker won the race: use its secret
+    finally:
+        os.unlink(temporary)
 
 
 def _read_private_file(path: str) -> str:

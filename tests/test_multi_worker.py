@@ -1,10 +1,11 @@
 """multi_worker_mirrored over real processes on loopback, started by `tfdist launch`.
 
-Equivalence: 2 workers x 1 device (over --collective=tcp, and =shm) and 2
+Equivalence: 2 workers x 1 device (over --collective=auto, =tcp and =shm) and 2
 workers x 2 simulated devices (TF's collectives) give the per-step losses of the
-single-process `default` run (1e-5 relative), and its final weights, for mlp
-and cnn with sgd and adam, with tfdist's loop and with Keras fit; with tfdist's
-own all-reduces the two workers end with bitwise the same weights.
+single-process `default` run (1e-5 relative), and every worker's final weights,
+for mlp, cnn and the transformer (an embedding: sparse gradients) with sgd, adam
+and adamw, with tfdist's loop and with Keras fit; with tfdist's own all-reduces
+the two workers end with bitwise the same weights.
 """
 
 import json
@@ -16,20 +17,22 @@ import numpy as np
 import pytest
 
 from helpers import REPO, run_cli, small_config
-from tfdist.config import ModelConfig
+from tfdist.config import DataConfig, ModelConfig
 from tfdist.testing import equivalence
 
-CONFIGS = {
-    "mlp_sgd": dict(model="mlp", optimizer="sgd"),
-    "mlp_adam": dict(model="mlp", optimizer="adam"),
-    "cnn_sgd": dict(model="cnn", optimizer="sgd"),
-    "cnn_adam": dict(model="cnn", optimizer="adam"),
-    "mlp_adam_fit": dict(model="mlp", optimizer="adam", trainer="fit"),
-}
+TRANSFORMER = dict(model=dict(name="transformer", num_layers=1, d_model=32, num_heads=4,
+                              d_ff=64), data=dict(name="text", seq_len=16))
+CONFIGS = {f"{model}_{optimizer}": dict(model=model, optimizer=optimizer)
+           for model in ("mlp", "cnn") for optimizer in ("sgd", "adam", "adamw")}
+CONFIGS.update({f"transformer_{optimizer}": dict(TRANSFORMER, optimizer=optimizer)
+                for optimizer in ("sgd", "adam", "adamw")})   # an embedding: sparse gradients
+CONFIGS["mlp_adam_fit"] = dict(model="mlp", optimizer="adam", trainer="fit")
+# The 2 x 2 launch (TF's collectives only) keeps one config per model and the fit path.
+TWO_DEVICE_CONFIGS = ("mlp_sgd", "cnn_adam", "transformer_adam", "mlp_adam_fit")
 STEPS = 20
 
 
-def launch(args, timeout=240):
+def launch(args, timeout=600):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     return subprocess.run([sys.executable, "-m", "tfdist.launch", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -37,7 +40,11 @@ def launch(args, timeout=240):
 
 def reference(name):
     overrides = dict(CONFIGS[name], trainer="loop")
-    model = ModelConfig(name=overrides.pop("model"), filters=(8, 16))
+    model = overrides.pop("model")
+    model = ModelConfig(**model) if isinstance(model, dict) else ModelConfig(
+        name=model, filters=(8, 16))
+    if "data" in overrides:
+        overrides["data"] = DataConfig(**overrides["data"])
     return equivalence.train(small_config(model=model, train_steps=STEPS, **overrides), name)
 
 
@@ -46,28 +53,35 @@ def references():
     return {name: reference(name) for name in CONFIGS}
 
 
-@pytest.mark.parametrize("devices_per_worker,collectives", [(1, ("tcp", "shm")), (2, ("auto",))])
+def launched_configs(devices_per_worker, collectives):
+    """Keras fit keeps TF's collectives (auto); tcp and shm run tfdist's loop."""
+    names = CONFIGS if devices_per_worker == 1 else TWO_DEVICE_CONFIGS
+    return {f"{name}@{collective}": dict(CONFIGS[name], train_steps=STEPS, collective=collective)
+            for collective in collectives for name in names
+            if collective == "auto" or CONFIGS[name].get("trainer") != "fit"}
+
+
+@pytest.mark.parametrize("devices_per_worker,collectives",
+                         [(1, ("auto", "tcp", "shm")), (2, ("auto",))])
 def test_two_workers_match_default(devices_per_worker, collectives, references, tmp_path):
-    """One device per worker sums over tfdist's TCP ring and over shared memory
-    (Keras fit keeps TF's collectives, so it runs in the other launch); two
-    devices use TF's. The documented command below covers TF's collectives with
-    one device. Each launch trains all its configs in one pair of processes."""
-    configs = {f"{name}@{collective}": dict(c, train_steps=STEPS, collective=collective)
-               for collective in collectives for name, c in CONFIGS.items()
-               if collective == "auto" or c.get("trainer") != "fit"}
+    """Every config over every collective, each launch training all its configs in one
+    pair of processes: per-step losses, and EVERY worker's final weights, against one
+    device; with tfdist's own sums (tcp, shm) the workers are bitwise equal."""
+    configs = launched_configs(devices_per_worker, collectives)
     result = launch(["--workers", "2", "--devices_per_worker", str(devices_per_worker), "--",
                      sys.executable, "tests/workers/train_configs.py", json.dumps(configs),
                      str(tmp_path)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(configs) >= 4
     for run_name in configs:
         name = run_name.split("@")[0]
         results = json.loads((tmp_path / f"{run_name}.json").read_text())
         assert results["num_replicas"] == 2 * devices_per_worker
         weights = [final_weights(tmp_path / f"{run_name}.rank{rank}.npz") for rank in (0, 1)]
-        candidate = equivalence.Record(f"2 workers x{devices_per_worker} {run_name}",
-                                       results["losses"], weights[0])
-        assert not equivalence.loss_mismatches(references[name], candidate), run_name
-        assert not equivalence.weight_mismatches(references[name], candidate), run_name
+        for rank, rank_weights in enumerate(weights):
+            candidate = equivalence.Record(f"2 workers x{devices_per_worker} {run_name} "
+                                           f"rank {rank}", results["losses"], rank_weights)
+            equivalence.assert_equivalent(references[name], candidate)
         if not run_name.endswith("@auto"):  # tfdist's sums: one worker sums each chunk
             assert all(np.array_equal(a, b) for a, b in zip(*weights)), run_name
 

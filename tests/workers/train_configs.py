@@ -2,7 +2,8 @@
 
     python tests/workers/train_configs.py CONFIGS_JSON OUT_DIR
 
-CONFIGS_JSON maps a name to RunConfig overrides (model/optimizer/trainer...);
+CONFIGS_JSON maps a name to RunConfig overrides (optimizer/trainer...; "model" is
+a model name or a dict of ModelConfig fields, "data" a dict of DataConfig fields);
 each is trained under multi_worker_mirrored (TensorFlow allows one such strategy
 per process, which tfdist reuses), the chief writes OUT_DIR/NAME.json, and every
 worker writes its final weights to OUT_DIR/NAME.rankR.npz.
@@ -19,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers import small_config  # noqa: E402
-from tfdist.config import ModelConfig  # noqa: E402
+from tfdist.config import DataConfig, ModelConfig  # noqa: E402
 from tfdist.train import runner  # noqa: E402
 
 
@@ -27,7 +28,11 @@ def main(configs_json: str, out_dir: str) -> None:
     simulate = int(os.environ.get("TFDIST_SIMULATE_DEVICES", "0"))
     for name, overrides in json.loads(configs_json).items():
         overrides = dict(overrides)
-        model = ModelConfig(name=overrides.pop("model"), filters=(8, 16))
+        model = overrides.pop("model")
+        model = ModelConfig(**model) if isinstance(model, dict) else ModelConfig(
+            name=model, filters=(8, 16))
+        if "data" in overrides:
+            overrides["data"] = DataConfig(**overrides["data"])
         config = small_config(strategy="multi_worker_mirrored", simulate_devices=simulate,
                               model=model, results_json=os.path.join(out_dir, f"{name}.json"),
                               **overrides)

@@ -7,6 +7,8 @@ and every wait has a timeout.
 
 import json
 import os
+import re
+import select
 import signal
 import stat
 import subprocess
@@ -111,6 +113,8 @@ def test_each_worker_gets_its_config_and_distinct_bindable_ports(tmp_path):
         assert report["bindable"]
     ports = [cluster.split_address(address)[1] for address in configs[0].worker_addresses + dtensor[0].jobs]
     assert len(set(ports)) == 6
+    secrets = {report["TFDIST_JOB_SECRET"] for report in reports}   # one job, one secret
+    assert len(secrets) == 1 and re.fullmatch("[0-9a-f]{64}", secrets.pop())
 
 
 def test_every_output_line_carries_its_rank(tmp_path):
@@ -131,6 +135,70 @@ def test_every_output_line_carries_its_rank(tmp_path):
     assert all(line.startswith(("[worker 0] ", "[worker 1] ")) for line in result.stdout.splitlines())
     assert all(line.startswith(("[worker 0] ", "[worker 1] ", "[tfdist launch] "))
                for line in result.stderr.splitlines())
+
+
+def read_until(pipe, wanted: bytes, timeout=TIMEOUT) -> bytes:
+    """What the launcher has printed so far, once it includes `wanted` (os.read: no line buffering)."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while wanted not in seen:
+        ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(pipe.fileno(), 65536) if ready else b""
+        assert chunk, f"no {wanted!r} ({'end of output' if ready else f'{timeout}s passed'}); got {seen!r}"
+        seen += chunk
+    return seen
+
+
+def test_redraws_pass_through_as_they_come_and_only_the_chief_redraws(tmp_path):
+    go = tmp_path / "go"
+    worker = script(tmp_path, f"""
+        import os, time
+        rank = os.environ["TFDIST_RANK"]
+        frames = ["abc", "abd"] if rank == "0" else ["xyz1", "xyz2"]
+        for frame in frames:
+            os.write(1, frame.encode() + b"\\r")
+            time.sleep(0.1)
+        os.write(1, b"caf\\xc3")      # a UTF-8 character cut in two writes
+        time.sleep(0.5)
+        os.write(1, b"\\xa9\\r")
+        deadline = time.time() + 30
+        while not os.path.exists({str(go)!r}) and time.time() < deadline:
+            time.sleep(0.02)
+        os.write(1, b"done " + rank.encode() + b"\\n")
+        """)
+    launcher = subprocess.Popen(launcher_command("--workers", "2", "--", sys.executable, worker), cwd=REPO,
+                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        early = read_until(launcher.stdout, "[worker 0] café\r".encode())
+        # The chief's redraws arrived, each with its prefix, while its line is still unfinished.
+        assert b"[worker 0] abc\r[worker 0] abd\r" in early and b"done" not in early
+        go.touch()
+        rest = launcher.stdout.read()
+        assert launcher.wait(timeout=TIMEOUT) == 0, launcher.stderr.read()
+    finally:
+        launcher.kill()
+        launcher.stdout.close()
+        launcher.stderr.close()
+    text = (early + rest).decode()
+    assert "[worker 0] done 0\n" in text
+    # Worker 1's line shows once, as it ends; its redraws never do.
+    assert "[worker 1] done 1\n" in text and "xyz" not in text and text.count("café") == 1
+
+
+def test_tfdist_run_from_python_logs_progress_once_whatever_the_callers_logging():
+    # No logging set up by the caller: tfdist's own handler shows the steps.
+    train = ("import tfdist; tfdist.run(tfdist.RunConfig(strategy='default', simulate_devices=0, "
+             "model=tfdist.ModelConfig(name='mlp'), global_batch_size=32, train_steps=10, log_every=5))")
+    result = subprocess.run([sys.executable, "-c", train], cwd=REPO, env=clean_env(TF_CPP_MIN_LOG_LEVEL="2"),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("step 5/10") == 1 and result.stderr.count("step 10/10") == 1, result.stderr
+    # The caller's own set-up is kept, and nothing prints twice (no TensorFlow needed to show it).
+    configured = ("import logging; logging.basicConfig(format='caller: %(message)s'); "
+                  "from tfdist.train import progress; progress.ensure_logging(); "
+                  "logging.getLogger('tfdist').warning('once')")
+    result = subprocess.run([sys.executable, "-c", configured], cwd=REPO, env=clean_env(),
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.stderr.splitlines() == ["caller: once"], result.stderr
 
 
 # --------------------------------------------------------------------------- failures and signals
@@ -217,6 +285,8 @@ RESTART_WORKER = """
     attempt = os.environ["TFDIST_RESTART_COUNT"]
     with open(os.path.join(here, f"attempt{{attempt}}-rank{{rank}}.json"), "w") as out:
         out.write(os.environ["TF_CONFIG"])
+    with open(os.path.join(here, f"secret{{attempt}}-rank{{rank}}"), "w") as out:
+        out.write(os.environ["TFDIST_JOB_SECRET"])
     marker = os.path.join(here, "failed-once")
     if rank == "1" and ({always} or not os.path.exists(marker)):
         open(marker, "w").close()
@@ -233,6 +303,8 @@ def test_max_restarts_restarts_the_group_with_fresh_ports(tmp_path):
               for address in json.loads((tmp_path / f"attempt{attempt}-rank0.json").read_text())["cluster"]["worker"]}
              for attempt in (0, 1)]
     assert ports[0].isdisjoint(ports[1])
+    secrets = {path.read_text() for path in tmp_path.glob("secret*-rank*")}
+    assert len(list(tmp_path.glob("secret*-rank*"))) == 4 and len(secrets) == 1   # restarts keep the job's
 
 
 def test_max_restarts_gives_up_with_the_failing_code(tmp_path):
@@ -259,6 +331,27 @@ def test_dry_run_prints_every_config_and_starts_nothing(tmp_path):
     assert [cluster.validate_dtensor_env(line).client_id for line in lines] == [0, 1, 2]
     time.sleep(0.2)
     assert not marker.exists()
+
+
+def test_job_secret_is_yours_when_exported_and_never_printed(tmp_path):
+    worker = script(tmp_path, f"""
+        import os
+        with open(os.path.join({str(tmp_path)!r}, "secret" + os.environ["TFDIST_RANK"]), "w") as out:
+            out.write(os.environ["TFDIST_JOB_SECRET"])
+        """)
+    mine = "0123456789abcdef" * 4
+
+    def run(*args, secret=mine):
+        return subprocess.run(launcher_command("--workers", "2", *args), cwd=REPO, capture_output=True,
+                              text=True, timeout=TIMEOUT, env=clean_env(TFDIST_JOB_SECRET=secret))
+
+    assert run("--", sys.executable, worker).returncode == 0
+    assert [(tmp_path / f"secret{rank}").read_text() for rank in range(2)] == [mine, mine]
+    dry = run("--dry_run", "--", sys.executable, worker)
+    assert dry.returncode == 0 and mine not in dry.stdout + dry.stderr
+    assert [json.loads(line)["TFDIST_JOB_SECRET"] for line in dry.stdout.splitlines()] == ["<set>"] * 2
+    bad = run("--", sys.executable, worker, secret="not-hex")
+    assert bad.returncode == 2 and "TFDIST_JOB_SECRET must be at least 32 hex digits" in bad.stderr
 
 
 def test_missing_command_fails_fast_naming_it():

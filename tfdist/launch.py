@@ -13,6 +13,11 @@ Every worker gets these environment variables:
                          entrypoint's default for --simulate_devices)
   DTENSOR_CLIENT_ID, DTENSOR_NUM_CLIENTS, DTENSOR_JOB_NAME, DTENSOR_JOBS
                          only with --dtensor
+  TFDIST_JOB_SECRET      64 hex digits (secrets.token_hex(32)), the same for every
+                         worker and every restart of one launch, fresh per launch;
+                         yours when you exported TFDIST_JOB_SECRET (checked first).
+                         tfdist's ring (--collective=tcp/shm) admits only peers that
+                         prove they hold it; --dry_run shows "<set>", not the value
   PYTHONUNBUFFERED=1     unless already set, so a worker's last lines reach the
                          launcher even when it is killed
 
@@ -25,8 +30,14 @@ describe a gRPC server per process, and two servers cannot share a port, so a
 program that builds a MultiWorkerMirroredStrategy and initialises DTensor (or a
 library that reads TF_CONFIG behind its back) still starts.
 
-Each worker runs in its own process group; its output lines are prefixed with
-"[worker R] ". When a worker fails, the others get SIGTERM and, after
+Output: each worker's stdout and stderr pass through as they come (read in
+chunks, so \r redraws of a progress bar show at once), with "[worker R] " at the
+start of every line and of every \r redraw. Only the chief's redraws pass: from
+the other workers a line redrawn with \r shows once, as it ends (see
+FinalTextOnly), so Keras' progress bar is the chief's alone. Their full lines
+and their errors still show.
+
+Each worker runs in its own process group. When a worker fails, the others get SIGTERM and, after
 --grace_period seconds, SIGKILL (to the whole group, so no orphan survives).
 SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every worker; a
 second one kills them at once. (SIGKILL to the launcher cannot be forwarded:
@@ -38,9 +49,13 @@ expires; 128+N when the launcher got signal N and the workers still exited
 cleanly; 2 for a usage error (bad flags, a command that cannot be found).
 """
 
+import codecs
 import dataclasses
 import json
 import os
+import re
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -48,9 +63,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Mapping, Optional, Sequence, Set
 
 from tfdist import cluster
+from tfdist.parallel import ring_auth
 from tfdist.errors import UsageError, require
 
 LOG_PREFIX = "[tfdist launch] "
@@ -58,6 +74,11 @@ POLL_SECONDS = 0.05          # how often the launcher looks at its workers
 PORT_PROBE_SECONDS = 0.5     # how often --start_timeout probes worker ports
 REAP_TIMEOUT_SECONDS = 5.0   # after SIGKILL, and for the output pipes to drain
 START_TIMEOUT_EXIT_CODE = 124  # the code `timeout` uses
+HOLD_SECONDS = 0.25          # an unfinished output line waits this long for its end (see _pump)
+IDLE_READ_SECONDS = 1.0      # a quiet worker pipe is looked at again this often
+READ_BYTES = 65536
+CHIEF_RANK = 0               # worker 0 is the chief (see the module docstring)
+SECRET_SHOWN = "<set>"       # --dry_run shows this instead of $TFDIST_JOB_SECRET
 
 _output_lock = threading.Lock()
 
@@ -178,8 +199,19 @@ class GroupPlan:
         return {port for ports in self.ports for port in ports}
 
 
-def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int] = frozenset()) -> GroupPlan:
+def job_secret(env: Mapping[str, str]) -> str:
+    """The user's $TFDIST_JOB_SECRET (checked now, not in N workers later), else a fresh one:
+    the key tfdist's ring proves membership with (tfdist.parallel.ring_auth)."""
+    if env.get(ring_auth.SECRET_ENV):
+        ring_auth.parse_secret(env[ring_auth.SECRET_ENV])
+        return env[ring_auth.SECRET_ENV]
+    return secrets.token_hex(32)
+
+
+def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int] = frozenset(),
+               secret: Optional[str] = None) -> GroupPlan:
     n = options.workers
+    secret = secret or job_secret(os.environ)
     ports = pick_free_ports(options.host, 2 * n if options.dtensor else n, exclude)
     tf_addresses = [cluster.join_address(options.host, port) for port in ports[:n]]
     dtensor_addresses = [cluster.join_address(options.host, port) for port in ports[n:]]
@@ -188,7 +220,8 @@ def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int]
         env = {"TF_CONFIG": json.dumps(cluster.build_tf_config(tf_addresses, rank)),
                "TFDIST_RANK": str(rank),
                "TFDIST_NUM_WORKERS": str(n),
-               "TFDIST_RESTART_COUNT": str(restart_count)}
+               "TFDIST_RESTART_COUNT": str(restart_count),
+               ring_auth.SECRET_ENV: secret}
         if options.devices_per_worker is not None:
             env["TFDIST_SIMULATE_DEVICES"] = str(options.devices_per_worker)
         if options.dtensor:
@@ -203,6 +236,7 @@ def print_dry_run(options: LaunchOptions, plan: GroupPlan, out) -> None:
         shown = {"rank": rank, "command": list(options.command)}
         shown.update(env)
         shown["TF_CONFIG"] = json.loads(env["TF_CONFIG"])   # an object reads better than an escaped string
+        shown[ring_auth.SECRET_ENV] = SECRET_SHOWN   # a secret printed is a secret in every log
         out.write(json.dumps(shown) + "\n")
     out.flush()
 
@@ -210,24 +244,142 @@ def print_dry_run(options: LaunchOptions, plan: GroupPlan, out) -> None:
 # --------------------------------------------------------------------------- output
 
 def log(message: str) -> None:
-    _write(sys.stderr, LOG_PREFIX + message + "\n")
+    terminal(sys.stderr).write("launch", LOG_PREFIX, message + "\n")
 
 
-def _write(stream, text: str) -> None:
-    with _output_lock:
+_LINE_PIECES = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+
+
+def pieces(text: str) -> List[str]:
+    """Splits text after each line end (\n, \r\n) and each \r (a redraw of the line)."""
+    return _LINE_PIECES.findall(text)
+
+
+class Terminal:
+    """One of the launcher's output streams, shared by every worker's pipes.
+
+    It knows whose line is open (the text after the last newline), so each new
+    line, and each \r redraw (a new line from the terminal's point of view),
+    starts with its worker's prefix, and another worker's text never continues
+    a line: it first ends the open line with a newline.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.owner = None          # who wrote the open line; None right after a newline
+        self.redrawing = False     # the owner's line just ended in \r: its next text redraws it
+
+    def write(self, owner, prefix: str, text: str) -> None:
+        out = []
+        with _output_lock:
+            for piece in pieces(text):
+                if self.owner not in (None, owner):
+                    out.append("\n")
+                    self.owner, self.redrawing = None, False
+                lone_newline = piece == "\n" and self.redrawing   # "\r" then "\n": the line just ends
+                if (self.owner is None or self.redrawing) and not lone_newline:
+                    out.append(prefix)
+                out.append(piece)
+                self.owner = None if piece.endswith("\n") else owner
+                self.redrawing = piece.endswith("\r")
+            if out:
+                self._emit("".join(out))
+
+    def end(self, owner) -> None:
+        """`owner` has no more output: end its open line, if any."""
+        with _output_lock:
+            if self.owner == owner:
+                self.owner, self.redrawing = None, False
+                self._emit("\n")
+
+    def _emit(self, text: str) -> None:
         try:
-            stream.write(text)
-            stream.flush()
+            self.stream.write(text)
+            self.stream.flush()
         except (OSError, ValueError):   # our own stdout closed: keep draining the worker anyway
             pass
 
 
-def _pump(pipe, stream, prefix: str) -> None:
-    """Copies a worker pipe to `stream` line by line, each line prefixed, until EOF."""
+_terminals: Dict[int, Terminal] = {}
+
+
+def terminal(stream) -> Terminal:
+    with _output_lock:
+        return _terminals.setdefault(id(stream), Terminal(stream))
+
+
+class FinalTextOnly:
+    """What a worker other than the chief shows: each line's final text, not its redraws.
+
+    Keras' progress bar (and tqdm's) redraws its line with \r many times a
+    second; from every worker at once they would only fight over the terminal,
+    and the chief's bar is the job's. A line without \r passes through as it
+    comes; a line with \r is held to its end and shows once, as it finally
+    looks (a terminal shows the text after the last \r, or before it on "\r\n").
+    The launcher does this, not the training code, so it works for any worker
+    command, a user's own `model.fit(verbose=1)` script included.
+    """
+
+    def __init__(self):
+        self.redrawn = False    # this line had a \r: hold it until it ends
+        self.shown = False      # some of this line already went out
+        self.frame = ""         # the text since the line's last \r
+        self.previous = ""      # the frame before that \r
+
+    def __call__(self, text: str) -> str:
+        out = []
+        for piece in pieces(text):
+            if not self.redrawn and not piece.endswith("\r"):
+                out.append(piece)
+                self.shown = not piece.endswith("\n")
+            elif piece.endswith("\r"):
+                self.redrawn, self.previous, self.frame = True, self.frame + piece[:-1], ""
+            elif piece.endswith("\n"):
+                out.append(self._final(piece.rstrip("\r\n")) + "\n")
+            else:
+                self.frame += piece
+        return "".join(out)
+
+    def flush(self) -> str:
+        """The held line at the end of the output (no newline: Terminal.end adds it)."""
+        return self._final("") if self.redrawn else ""
+
+    def _final(self, ending: str) -> str:
+        text = (self.frame + ending) or self.previous
+        shown, self.redrawn, self.shown, self.frame, self.previous = self.shown, False, False, "", ""
+        return ("\r" if shown else "") + text
+
+
+def _pump(pipe, out: Terminal, owner, prefix: str, keep=None) -> None:
+    """Copies a worker pipe to `out` as it comes, until EOF.
+
+    Reads chunks (os.read), not lines: a \r redraw must not wait for a newline.
+    A chunk's last, unfinished line waits up to HOLD_SECONDS for its end, which
+    keeps lines whole when several workers print at once (print() writes a text
+    and its newline separately). The incremental decoder never splits a UTF-8
+    character across chunks. `keep` filters the text (FinalTextOnly).
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    keep = keep or (lambda text: text)
+    fd, unfinished = pipe.fileno(), ""
     with pipe:
-        for line in iter(pipe.readline, b""):
-            text = line.decode("utf-8", "replace")
-            _write(stream, prefix + (text if text.endswith("\n") else text + "\n"))
+        while True:
+            ready, _, _ = select.select([fd], [], [], HOLD_SECONDS if unfinished else IDLE_READ_SECONDS)
+            if not ready:
+                out.write(owner, prefix, keep(unfinished))
+                unfinished = ""
+                continue
+            chunk = os.read(fd, READ_BYTES)
+            if not chunk:
+                break
+            text = unfinished + decoder.decode(chunk)
+            cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+            out.write(owner, prefix, keep(text[:cut]))
+            unfinished = text[cut:]
+    rest = keep(unfinished + decoder.decode(b"", final=True))
+    flush = getattr(keep, "flush", None)
+    out.write(owner, prefix, rest + (flush() if flush else ""))
+    out.end(owner)
 
 
 def describe_exit(code: int) -> str:
@@ -256,8 +408,10 @@ class Worker:
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
         prefix = f"[worker {rank}] "
-        self.readers = [threading.Thread(target=_pump, args=(pipe, stream, prefix), daemon=True)
-                        for pipe, stream in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))]
+        self.readers = [
+            threading.Thread(target=_pump, daemon=True, args=(
+                pipe, terminal(stream), rank, prefix, None if rank == CHIEF_RANK else FinalTextOnly()))
+            for pipe, stream in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))]
         for reader in self.readers:
             reader.start()
 
@@ -462,9 +616,11 @@ def run(options: LaunchOptions) -> int:
         print_dry_run(options, plan_group(options), sys.stdout)
         return 0
     used_ports: Set[int] = set()
+    secret = job_secret(os.environ)   # one per launch: restarted workers are the same job
     with SignalForwarder() as signals:
         for attempt in range(options.max_restarts + 1):
-            plan = plan_group(options, attempt, exclude=used_ports)   # fresh ports: old ones may linger
+            plan = plan_group(options, attempt, exclude=used_ports,   # fresh ports: old ones may linger
+                              secret=secret)
             used_ports |= plan.all_ports
             outcome = WorkerGroup(options, command, plan, signals).run()
             if outcome.ok:

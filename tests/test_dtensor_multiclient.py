@@ -1,9 +1,11 @@
 """--strategy=dtensor across 2 processes x 2 simulated CPUs (mesh batch=2,model=2).
 
 Started the way a user would: `tfdist launch --workers 2 --devices_per_worker 2
---dtensor -- python -m experiments.train --strategy=dtensor ...`. Each client
-holds one batch shard (two model shards); its per-step losses must be the
-single-process `default` run's within 1e-5 relative.
+--dtensor -- python ... --strategy=dtensor ...` with experiments.train's flags
+(tests/workers/dtensor_client.py builds the config as experiments.train does and
+also writes each client's final weights). Each client holds one batch shard (two
+model shards); the per-step losses must be the single-process `default` run's
+within 1e-5 relative, and EVERY client's final weights too.
 """
 
 import json
@@ -44,13 +46,17 @@ def test_two_clients_match_default(case, tmp_path):
         global_batch_size=32, train_steps=STEPS, seed=7, log_every=STEPS), "default")
     path = tmp_path / "results.json"
     result = launch(["--workers", "2", "--devices_per_worker", "2", "--dtensor", "--",
-                     sys.executable, "-m", "experiments.train", "--strategy=dtensor",
+                     sys.executable, "tests/workers/dtensor_client.py",
+                     f"--weights_prefix={tmp_path / 'weights'}", "--strategy=dtensor",
                      "--mesh=batch=2,model=2", "--layout=megatron", "--global_batch_size=32",
                      f"--train_steps={STEPS}", "--seed=7", f"--results_json={path}", *flags])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(path.read_text())
-    candidate = equivalence.Record(f"dtensor 2 clients {case}", results["losses"], [])
-    assert not equivalence.loss_mismatches(reference, candidate)
+    for client in (0, 1):
+        candidate = equivalence.from_results_json(
+            path, f"dtensor 2 clients {case}, client {client}",
+            weights=tmp_path / f"weights.client{client}.npz")
+        equivalence.assert_equivalent(reference, candidate)
     assert results["num_replicas"] == 2
     # the chief reports its own two devices' shards
     assert len(results["param_bytes_per_device"]) == 2

@@ -3,7 +3,8 @@
 Equivalence: per-step losses and final weights within 1e-5 relative of `default`
 for mlp, cnn and a small transformer, sgd and adam, 20 steps, for S in {2, 4}
 stages x M in {1, 4} micro-batches and the hybrid 2 stages x 2 replicas (GPipe),
-and a subset of those with the 1F1B schedule.
+and a subset of those with the 1F1B schedule; the final weights of EVERY replica
+and every stage, not only the model tfdist.run returns (replica 0's).
 
 Placement: every stage variable and optimizer slot is on its stage's device, and
 in the step's *placed, partitioned* graph (what the executor runs, from
@@ -55,15 +56,52 @@ def make_config(strategy, model, optimizer, devices=4, stages=2, microbatches=1,
     return RunConfig(**fields)
 
 
-def train(config, label):
+def train_default(config, label):
     results, model = runner.run(config, return_model=True)
     paths = [v.path for v in model.weights]
     return equivalence.Record(label, results["losses"], model.get_weights()), paths
 
 
+def train(config, label):
+    """(replica 0's Record, its weight paths, {(replica, stage): (Record, variable paths)}).
+
+    As tfdist.run trains, but keeping the mode: run() returns replica 0's model
+    only, and every other replica (the hybrid's) must end with the same weights.
+    """
+    import keras
+    keras.mixed_precision.set_dtype_policy("float32")
+    parallel, model, optimizer, source = build(config)
+    try:
+        losses = runner.train(config, parallel, source, model, optimizer,
+                              runner.resolve_steps(config, source)).losses
+    finally:
+        parallel.close()
+    stages = {(r, stage.index): (
+        equivalence.Record(f"{label} replica {r} stage {stage.index}", losses,
+                           [v.numpy() for v in stage.variables]),
+        [v.path for v in stage.variables])
+        for r, replica in enumerate(parallel.replicas) for stage in replica.stages}
+    return equivalence.Record(label, losses, model.get_weights()), \
+        [v.path for v in model.weights], stages
+
+
+def assert_every_replica_and_stage_equivalent(ref, ref_paths, stages, replicas, num_stages):
+    """Each stage of each replica holds its share of the variables, equal to one device's."""
+    assert sorted(stages) == [(r, k) for r in range(replicas) for k in range(num_stages)]
+    for r in range(replicas):
+        held = sorted(path for k in range(num_stages) for path in stages[(r, k)][1])
+        assert held == sorted(ref_paths), f"replica {r}'s stages hold {held}"
+    by_path = dict(zip(ref_paths, ref.weights))
+    for record, paths in stages.values():
+        if not paths:  # e.g. a stage of Flatten alone; the loop above saw every variable held
+            continue
+        equivalence.assert_equivalent(
+            equivalence.Record("default", ref.losses, [by_path[p] for p in paths]), record)
+
+
 @functools.lru_cache(maxsize=None)
 def reference(model: str, optimizer: str):
-    return train(make_config("default", model, optimizer), "default")
+    return train_default(make_config("default", model, optimizer), "default")
 
 
 @pytest.mark.parametrize("devices,stages,microbatches", LAYOUTS)
@@ -72,10 +110,11 @@ def reference(model: str, optimizer: str):
 def test_pipeline_matches_default(model, optimizer, devices, stages, microbatches):
     ref, ref_paths = reference(model, optimizer)
     label = f"pipeline S={stages} M={microbatches} R={devices // stages}"
-    got, paths = train(make_config("pipeline", model, optimizer, devices, stages, microbatches),
-                       label)
+    got, paths, placed = train(
+        make_config("pipeline", model, optimizer, devices, stages, microbatches), label)
     assert paths == ref_paths
     equivalence.assert_equivalent(ref, got)
+    assert_every_replica_and_stage_equivalent(ref, ref_paths, placed, devices // stages, stages)
     assert len(got.losses) == STEPS
     assert sum(got.losses[-5:]) < sum(got.losses[:5])  # it trained
 
@@ -85,9 +124,10 @@ def test_pipeline_matches_default(model, optimizer, devices, stages, microbatche
 def test_1f1b_matches_default(model, optimizer, devices, stages):
     ref, ref_paths = reference(model, optimizer)
     label = f"pipeline 1f1b S={stages} M=4 R={devices // stages}"
-    got, paths = train(make_config("pipeline", model, optimizer, devices, stages, 4,
-                                   pipeline_schedule="1f1b"), label)
+    got, paths, placed = train(make_config("pipeline", model, optimizer, devices, stages, 4,
+                                           pipeline_schedule="1f1b"), label)
     equivalence.assert_equivalent(ref, got)
+    assert_every_replica_and_stage_equivalent(ref, ref_paths, placed, devices // stages, stages)
 
 
 def peak_activations(order) -> int:

@@ -1,0 +1,59 @@
+"""tfdist/testing/equivalence.py itself: a comparison that can pass on nothing is none.
+
+Pure numpy: records built by hand, results JSON and .npz written to tmp_path.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from tfdist.testing import equivalence
+from tfdist.testing.equivalence import Record
+
+W = [np.ones((2, 3), "float32"), np.arange(3, dtype="float32")]
+
+
+def test_equal_records_match():
+    assert not equivalence.weight_mismatches(Record("a", [1.0], W), Record("b", [1.0], list(W)))
+    assert not equivalence.loss_mismatches(Record("a", [1.0, 2.0], W), Record("b", [1.0, 2.0], W))
+
+
+@pytest.mark.parametrize("candidate,expected", [
+    ([], "b has 0 weights, a has 2"),
+    (W[:1], "b has 1 weights, a has 2"),
+    ([W[0].T, W[1]], "weight 0: shape (3, 2) vs (2, 3)"),
+    ([W[0][:1], W[1]], "weight 0: shape (1, 3) vs (2, 3)"),  # would broadcast
+    ([W[0] * 1.001, W[1]], "weight 0 (2, 3): relative error 1.00e-03"),
+    ([W[0], W[1] * np.nan], "weight 1 (3,): relative error nan"),
+])
+def test_weight_mismatches_are_found(candidate, expected):
+    assert equivalence.weight_mismatches(Record("a", [1.0], W),
+                                         Record("b", [1.0], candidate)) == [expected]
+
+
+def test_nothing_to_compare_is_a_mismatch():
+    empty = Record("a", [], [])
+    assert equivalence.weight_mismatches(empty, Record("b", [], [])) == [
+        "b and a have no weights to compare"]
+    assert equivalence.loss_mismatches(empty, Record("b", [], [])) == [
+        "b and a have no losses to compare"]
+    assert equivalence.loss_mismatches(Record("a", [1.0], W), Record("b", [float("nan")], W))
+    with pytest.raises(ValueError, match="b has 0 losses, a 1"):
+        equivalence.max_relative_loss_error(Record("a", [1.0], W), Record("b", [], W))
+
+
+def test_results_json_carries_weights_only_when_given(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"strategy": "mirrored", "losses": [1.0]}))
+    np.savez(tmp_path / "r.rank0.npz", *W)
+    with_weights = equivalence.from_results_json(tmp_path / "r.json",
+                                                 weights=tmp_path / "r.rank0.npz")
+    assert with_weights.label == "mirrored" and with_weights.losses == [1.0]
+    assert not equivalence.weight_mismatches(Record("a", [1.0], W), with_weights)
+    losses_only = equivalence.from_results_json(tmp_path / "r.json")
+    assert losses_only.weights is None
+    assert not equivalence.loss_mismatches(Record("a", [1.0], W), losses_only)
+    with pytest.raises(ValueError, match="record 'mirrored' has no weights"):
+        equivalence.weight_mismatches(Record("a", [1.0], W), losses_only)
+    with pytest.raises(ValueError, match="has no weights"):
+        equivalence.assert_equivalent(Record("a", [1.0], W), losses_only)

@@ -62,7 +62,7 @@ flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,
                     "dtensor_megatron, pipeline. default:1 (the baseline) always runs.")
 flags.DEFINE_integer("run_timeout", 600, "scaling: seconds before one training process is "
                      "killed and reported; soak and chaos: per launched job (their default: "
-                     "300 s + 0.1 s per step).")
+                     "300 s + 0.1 s per step, chaos + 120 s per kill).")
 flags.DEFINE_integer("checkpoint_every", 0, "soak and chaos: --checkpoint_every of the training "
                      "job (0: the suite's default, soak 200, chaos 20).")
 flags.DEFINE_integer("kills", 10, "chaos: SIGKILLs in a row; the job runs with --max_restarts=KILLS.")
@@ -138,7 +138,8 @@ def run_chaos_suite():
     checkpoint_every = FLAGS.checkpoint_every or 20
     steps = _given_or("steps", chaos.default_steps(FLAGS.kills, checkpoint_every))
     return chaos.run_suite(FLAGS.kills, steps, checkpoint_every, FLAGS.chaos_seed,
-                           FLAGS.chaos_collective, _given_or("run_timeout", 300 + 0.1 * steps))
+                           FLAGS.chaos_collective,
+                           _given_or("run_timeout", chaos.default_timeout(FLAGS.kills, steps)))
 
 
 def main(argv):

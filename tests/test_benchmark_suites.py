@@ -70,6 +70,8 @@ def test_a_kill_waits_for_a_checkpoint_of_its_own_attempt(tmp_path):
     target, _ = planner.target
     assert 30 < target <= 50 and planner.due() is not None
     assert chaos.kept_ranges([0, 20, 40], 100) == [(0, 1, 20), (20, 21, 40), (40, 41, 100)]
+    # A fall-back to an older checkpoint (20 after 40): the attempt resumed at 20 kept 21..60.
+    assert chaos.kept_ranges([0, 40, 20, 60], 100) == [(0, 1, 20), (20, 21, 60), (60, 61, 100)]
 
 
 def run_suite(args, out_dir, timeout):

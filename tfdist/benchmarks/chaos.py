@@ -59,6 +59,12 @@ def default_steps(kills: int, checkpoint_every: int) -> int:
     return (3 * kills + 2) * checkpoint_every
 
 
+def default_timeout(kills: int, steps: int) -> float:
+    """Seconds for one job: every restart starts TensorFlow in two fresh processes
+    (about 30 s each on this loaded 2-core machine, 10 s when quiet)."""
+    return 300 + 0.1 * steps + 120 * kills
+
+
 def train_flags(model_dir: str, steps: int, checkpoint_every: int, collective: str) -> List[str]:
     return [f"--collective={collective}", f"--train_steps={steps}", f"--model_dir={model_dir}",
             f"--checkpoint_every={checkpoint_every}", "--log_every=1",
@@ -92,8 +98,9 @@ class Attempt:
     last_step: int = 0
 
     @property
-    def resumed_at(self) -> int:
-        return self.first_step - 1
+    def resumed_at(self) -> Optional[int]:
+        """None when the attempt never logged a step (it died or was ended before one)."""
+        return self.first_step - 1 if self.first_step else None
 
 
 @dataclasses.dataclass
@@ -226,9 +233,15 @@ def weights_difference(model_dir: str, reference_dir: str) -> Tuple[float, str]:
 
 
 def kept_ranges(resume_steps: List[int], steps: int) -> List[Tuple[int, int, int]]:
-    """(start_step, first, last): attempt i trained steps first..last that the final model kept."""
-    bounds = sorted(set(resume_steps)) + [steps]
-    return [(start, start + 1, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+    """(start_step, first, last) per attempt, in order: the steps first..last of the attempt
+    resumed at start_step that the final model kept. Walks back from the last attempt, so an
+    attempt that fell back to an older checkpoint supersedes everything past it."""
+    kept, end = [], steps
+    for start in reversed(resume_steps):
+        if start < end:
+            kept.append((start, start + 1, end))
+            end = start
+    return kept[::-1]
 
 
 def count_examples_twice(resume_steps: List[int], steps: int) -> Dict:
@@ -300,21 +313,22 @@ def run_suite(kills: int, steps: int, checkpoint_every: int, seed: int, collecti
 def summary_row(run: ChaosRun, reference_dir: str, chaos_dir: str, kills: int, steps: int,
                 checkpoint_every: int, seed: int, collective: str, reference_seconds: float) -> Dict:
     resumes = [a.resumed_at for a in run.attempts[1:]]
-    recomputed = [a.last_step - nxt.resumed_at for a, nxt in zip(run.attempts, run.attempts[1:])]
+    recomputed = [a.last_step - nxt.resumed_at for a, nxt in zip(run.attempts, run.attempts[1:])
+                  if nxt.resumed_at is not None]
     completed = run.exit_code == 0 and run.attempts[-1].last_step == steps
     row = {"collective": collective, "steps": steps, "checkpoint_every": checkpoint_every,
            "seed": seed, "kills_requested": kills, "kills_delivered": len(run.kills),
            "restarts_seen": run.restarts_seen, "exit": run.exit_code,
            "killed_ranks": " ".join(str(k.rank) for k in run.kills),
            "kill_steps": " ".join(str(k.step_seen) for k in run.kills),
-           "resumed_at": " ".join(map(str, resumes)),
+           "resumed_at": " ".join("-" if r is None else str(r) for r in resumes),
            "steps_recomputed": sum(recomputed),
            "steps_recomputed_each": " ".join(map(str, recomputed)),
            "reference_wall_s": round(reference_seconds), "chaos_wall_s": round(run.wall_seconds)}
     if completed:
         difference, name = weights_difference(chaos_dir, reference_dir)
         row.update(max_rel_weight_diff=f"{difference:.2e}", worst_variable=name.split("/.ATTR")[0])
-        row.update(count_examples_twice(resumes, steps))
+        row.update(count_examples_twice([r for r in resumes if r is not None], steps))
     else:   # nothing final to compare: say so in the row instead of failing the suite
         row.update(max_rel_weight_diff="n/a (did not finish)", worst_variable="",
                    epochs_checked=0, examples_checked=0, examples_trained_twice="n/a",

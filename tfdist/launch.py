@@ -356,12 +356,12 @@ def _pump(pipe, out: Terminal, owner, prefix: str, keep=None) -> None:
     Reads chunks (os.read), not lines: a \r redraw must not wait for a newline.
     A chunk's last, unfinished line waits up to HOLD_SECONDS for its end, which
     keeps lines whole when several workers print at once (print() writes a text
-    and its newline separately). The incremental decoder never splits a UTF-8
+    and its newline separately); a redraw (the text after a \r) goes out at once. The incremental decoder never splits a UTF-8
     character across chunks. `keep` filters the text (FinalTextOnly).
     """
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     keep = keep or (lambda text: text)
-    fd, unfinished = pipe.fileno(), ""
+    fd, unfinished, redrawing = pipe.fileno(), "", False
     with pipe:
         while True:
             ready, _, _ = select.select([fd], [], [], HOLD_SECONDS if unfinished else IDLE_READ_SECONDS)
@@ -374,6 +374,9 @@ def _pump(pipe, out: Terminal, owner, prefix: str, keep=None) -> None:
                 break
             text = unfinished + decoder.decode(chunk)
             cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+            redrawing = text[cut - 1] == "\r" if cut else redrawing
+            if redrawing:   # text after a \r is a redraw (Keras writes "\r" + bar): a terminal shows it now
+                cut = len(text)
             out.write(owner, prefix, keep(text[:cut]))
             unfinished = text[cut:]
     rest = keep(unfinished + decoder.decode(b"", final=True))

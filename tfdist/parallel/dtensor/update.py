@@ -41,6 +41,7 @@ def check_supported(optimizer) -> None:
             raise UsageError(f"--strategy=dtensor: optimizer option {option} is not supported.")
     if getattr(optimizer, "use_ema", False):
         raise UsageError("--strategy=dtensor: optimizer option use_ema is not supported.")
+    # Private Keras attributes, no public getter (keras-team/keras#16274; Keras 3.15 base_optimizer.py): canary in tests/test_upstream_canaries.py
     if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
             optimizer, "_exclude_from_weight_decay_pattern", None):
         raise UsageError("--strategy=dtensor: exclude_from_weight_decay is not supported.")

@@ -77,6 +77,7 @@ START_TIMEOUT_EXIT_CODE = 124  # the code `timeout` uses
 HOLD_SECONDS = 0.25          # an unfinished output line waits this long for its end (see _pump)
 IDLE_READ_SECONDS = 1.0      # a quiet worker pipe is looked at again this often
 READ_BYTES = 65536
+MAX_HELD_CHARS = 65536       # of a redrawn line that never ends, only its tail is kept
 CHIEF_RANK = 0               # worker 0 is the chief (see the module docstring)
 SECRET_SHOWN = "<set>"       # --dry_run shows this instead of $TFDIST_JOB_SECRET
 
@@ -337,7 +338,7 @@ class FinalTextOnly:
             elif piece.endswith("\n"):
                 out.append(self._final(piece.rstrip("\r\n")) + "\n")
             else:
-                self.frame += piece
+                self.frame = (self.frame + piece)[-MAX_HELD_CHARS:]   # bounded, however long the line
         return "".join(out)
 
     def flush(self) -> str:
@@ -356,16 +357,19 @@ def _pump(pipe, out: Terminal, owner, prefix: str, keep=None) -> None:
     Reads chunks (os.read), not lines: a \r redraw must not wait for a newline.
     A chunk's last, unfinished line waits up to HOLD_SECONDS for its end, which
     keeps lines whole when several workers print at once (print() writes a text
-    and its newline separately); a redraw (the text after a \r) goes out at once. The incremental decoder never splits a UTF-8
-    character across chunks. `keep` filters the text (FinalTextOnly).
+    and its newline separately); a redraw (the text after a \r) goes out at once.
+    The incremental decoder never splits a UTF-8 character across chunks. `keep`
+    filters the text (FinalTextOnly).
     """
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     keep = keep or (lambda text: text)
     fd, unfinished, redrawing = pipe.fileno(), "", False
+    poller = select.poll()   # not select.select: it fails on descriptors past 1024
+    poller.register(fd, select.POLLIN)
     with pipe:
         while True:
-            ready, _, _ = select.select([fd], [], [], HOLD_SECONDS if unfinished else IDLE_READ_SECONDS)
-            if not ready:
+            ready = poller.poll(1000 * (HOLD_SECONDS if unfinished else IDLE_READ_SECONDS))
+            if not ready or len(unfinished) > READ_BYTES:   # quiet, or a line too long to hold
                 out.write(owner, prefix, keep(unfinished))
                 unfinished = ""
                 continue

@@ -137,6 +137,16 @@ def run_checked_early(config: cfg.RunConfig) -> dict:
         return tfdist.run(config)   # takes the same lock again: this process holds it
 
 
+def parse_flags(argv):
+    """absl's parser, with a bad flag value (e.g. --train_steps=abc) reported like every
+    other user mistake: one paragraph and exit 2 (absl itself exits 1)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        print(f"tfdist: error: {error}. See --helpshort for the flags.", file=sys.stderr)
+        sys.exit(EXIT_USAGE_ERROR)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -156,4 +166,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

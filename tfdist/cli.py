@@ -138,7 +138,7 @@ class Doctor:
         if simulated is None:
             self.line("  TFDIST_SIMULATE_DEVICES: not set")
             return
-        if not simulated.strip().isdigit():
+        if cluster.decimal(simulated) is None:
             self.problem(f"TFDIST_SIMULATE_DEVICES must be an integer >= 0, got {simulated!r}.")
             return
         try:

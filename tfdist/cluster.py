@@ -29,11 +29,19 @@ DTENSOR_VARIABLES = ("DTENSOR_CLIENT_ID", "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NA
 
 # --------------------------------------------------------------------------- addresses
 
+def decimal(text) -> Optional[int]:
+    """The non-negative integer `text` spells in ASCII digits (spaces around allowed),
+    else None. Not str.isdigit(): it also accepts "²" and "١", and int() refuses the
+    first and would let a typo through as the second."""
+    text = str(text).strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def split_address(address: str, where: str = "address") -> tuple:
     """Splits "host:port" (IPv6 as "[::1]:port") into (host, port), or raises UsageError."""
     require(isinstance(address, str), f"{where} must be a \"host:port\" string, got {address!r}.")
     host, sep, port_text = address.strip().rpartition(":")
-    require(bool(sep) and bool(host) and port_text.isdigit(),
+    require(bool(sep) and bool(host) and decimal(port_text) is not None and port_text.strip() == port_text,
             f"{where} {address!r} is not \"host:port\" (e.g. \"10.0.0.1:2222\" or \"[::1]:2222\").")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -313,7 +321,7 @@ def _expand_ranges(ranges: str, text: str) -> List[str]:
     for part in ranges.split(","):
         low, _, high = part.strip().partition("-")
         high = high or low
-        require(low.isdigit() and high.isdigit(),
+        require(decimal(low) is not None and decimal(high) is not None,
                 f"Host list {text!r}: bracket range {part!r} is not N or N-M with digits.")
         require(int(low) <= int(high), f"Host list {text!r}: range {part!r} runs backwards.")
         width = len(low) if low.startswith("0") else 0   # "01-10" keeps two digits
@@ -368,8 +376,9 @@ def from_slurm_env(env: Mapping[str, str], port: int = DEFAULT_PORT) -> SlurmTas
 def _slurm_int(env: Mapping[str, str], name: str, hint: Optional[str]) -> int:
     value = env.get(name)
     require(value is not None, f"{name} is not set. {hint}")
-    require(str(value).strip().isdigit(), f"{name} must be a non-negative integer, got {value!r}.")
-    return int(value)
+    number = decimal(value)
+    require(number is not None, f"{name} must be a non-negative integer, got {value!r}.")
+    return number
 
 
 def _tasks_per_node(env: Mapping[str, str], num_nodes: int, ntasks: int) -> List[int]:
@@ -461,17 +470,18 @@ def validate_dtensor_env(env: Mapping[str, str]) -> Optional[DTensorEnv]:
     num_clients = len(jobs) or 1
     declared = env.get("DTENSOR_NUM_CLIENTS")
     if declared is not None:
-        require(declared.strip().isdigit() and int(declared) >= 1,
+        require((decimal(declared) or 0) >= 1,
                 f"DTENSOR_NUM_CLIENTS must be an integer >= 1, got {declared!r}.")
-        require(int(declared) == num_clients,
+        require(decimal(declared) == num_clients,
                 f"DTENSOR_NUM_CLIENTS={declared} but DTENSOR_JOBS lists {len(jobs)} client(s) "
                 f"({jobs_text!r}); TensorFlow uses one DTENSOR_JOBS entry per client.")
     client = env.get("DTENSOR_CLIENT_ID", "0")
-    require(client.strip().isdigit(), f"DTENSOR_CLIENT_ID must be an integer >= 0, got {client!r}.")
-    require(int(client) < num_clients,
+    require(decimal(client) is not None,
+            f"DTENSOR_CLIENT_ID must be an integer >= 0, got {client!r}.")
+    require(decimal(client) < num_clients,
             f"DTENSOR_CLIENT_ID={client} is outside 0..{num_clients - 1} "
             f"(DTENSOR_JOBS has {num_clients} client(s)).")
     job_name = env.get("DTENSOR_JOB_NAME", "worker" if num_clients > 1 else "localhost")
     require(bool(job_name.strip()) and "/" not in job_name,
             f"DTENSOR_JOB_NAME must be a plain name like \"worker\", got {job_name!r}.")
-    return DTensorEnv(int(client), num_clients, job_name, jobs)
+    return DTensorEnv(decimal(client), num_clients, job_name, jobs)

@@ -102,7 +102,7 @@ def parse_contenders(spec: str) -> List[Contender]:
         mode, _, count = name.partition(":")
         require(mode in MODES, f"Unknown scaling mode {mode!r} in {name!r}. "
                                f"Valid modes: {', '.join(MODES)} (as MODE:DEVICES).")
-        require(count.isdigit() and int(count) >= 1,
+        require(count.isascii() and count.isdigit() and int(count) >= 1,
                 f"Scaling contender {name!r} needs a device count >= 1, as {mode}:2.")
         layout, flags = MODES[mode](int(count))
         contender = Contender(mode, int(count), layout, flags)

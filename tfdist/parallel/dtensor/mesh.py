@@ -29,7 +29,10 @@ def parse_mesh(spec: Optional[str], num_devices: int) -> Axes:
     for part in str(spec).split(","):
         name, eq, size = part.strip().partition("=")
         name = name.strip()
-        require(eq and name.isidentifier() and size.strip().isdigit() and int(size) >= 1,
+        # ASCII digits only: str.isdigit() also accepts "²", which int() cannot read.
+        size = size.strip()
+        require(eq and name.isidentifier() and size.isascii() and size.isdigit()
+                and int(size) >= 1,
                 f"--mesh must look like \"batch=2,model=2\" (axis=size, sizes >= 1), "
                 f"got {spec!r} (bad part {part.strip()!r}).")
         require(name not in dict(axes), f"--mesh {spec!r} names axis {name!r} twice.")

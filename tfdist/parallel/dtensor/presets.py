@@ -79,7 +79,7 @@ def load_file(path: str) -> LayoutMap:
         try:
             with open(path) as f:
                 rules = json.load(f)
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise UsageError(f"Layout file {path!r} is not valid JSON: {error}.") from None
     require(isinstance(rules, dict),
             f"Layout file {path!r} must hold an object of regex -> list of axis names, "

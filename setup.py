@@ -25,6 +25,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=9,<10", "pyyaml>=6,<7",
+                 "hypothesis>=6.100,<7",   # tests/test_input_fuzzing.py
                  # tests/test_notebooks.py runs colab/*.ipynb headless
                  "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8"],
     },

@@ -137,7 +137,8 @@ JobCompType=jobcomp/none
 MinJobAge=600
 KillWait=10
 NodeName={NODE} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN
-PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
+# FORCE:2: two jobs may share a CPU, so a test can run two 2-task jobs at once on a 2-core machine.
+PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
 """
 
 

@@ -13,13 +13,14 @@ Skips, saying what to install, without Slurm's binaries or root (.ci/run install
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from helpers import REPO, run_cli
+from helpers import REPO
 from slurm_cluster import SlurmCluster, free_port_pair, slurm, unavailable_reason  # noqa: F401 (fixture)
 from tfdist.errors import EXIT_PREEMPTED
 
@@ -33,10 +34,10 @@ RTOL = 1e-5
 JOB_TIMEOUT = 300    # seconds; the machine is shared, TensorFlow's import alone is ~4 s a task
 
 
-def submit(slurm, out_dir, name, *flags):
+def submit(slurm, out_dir, name, *flags, model_dir=None):
     """sbatch of the one-node variant (2 tasks, 1 CPU each here); returns (job id, paths)."""
     paths = {key: os.path.join(out_dir, f"{name}.{key}") for key in ("out", "json")}
-    paths["model_dir"] = os.path.join(out_dir, name)
+    paths["model_dir"] = model_dir or os.path.join(out_dir, name)
     env = dict(PYTHON=sys.executable, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
                TFDIST_PORT=str(free_port_pair()))
     job_id = slurm.sbatch(["--cpus-per-task=1", SCRIPT, *FLAGS, *flags,
@@ -82,59 +83,74 @@ def relative_difference(reference, value):
     return float(np.linalg.norm(value - reference) / max(np.linalg.norm(reference), 1e-12))
 
 
+def term_after_step_10(slurm, job_id, paths):
+    """scancel --signal=TERM once training runs. No --batch/--full: the signal goes to the
+    job's steps (the python tasks) and the batch shell stays to report srun's exit code."""
+    slurm.wait(job_id, JOB_TIMEOUT, until=lambda job: "step 10/" in read(paths["out"])
+               or job["JobState"] not in ("PENDING", "RUNNING"))
+    assert "step 10/" in read(paths["out"]), read(paths["out"])[-3000:]
+    slurm.command(["scancel", "--signal=TERM", job_id])
+
+
 @pytest.fixture(scope="module")
 def runs(slurm, tmp_path_factory):
-    """The 2-task Slurm job and a one-device run of the same flags (side by side)."""
+    """Every job of this file, overlapped to save wall time (the node takes two jobs at
+    once): the uninterrupted 2-task job, a one-device run of the same flags, a job
+    preempted with scancel --signal=TERM, and its resubmission."""
     out_dir = str(tmp_path_factory.mktemp("slurm"))
-    job_id, paths = submit(slurm, out_dir, "mwms", f"--train_steps={STEPS}")
+    uninterrupted = submit(slurm, out_dir, "mwms", f"--train_steps={STEPS}")
+    # Far more steps than STEPS: only the TERM ends this job.
+    preempted = submit(slurm, out_dir, "preempted", "--train_steps=1000000")
     default_dir = os.path.join(out_dir, "default")
-    one_device = run_cli(["--strategy=default", "--simulate_devices=0", *FLAGS, f"--train_steps={STEPS}",
-                          f"--model_dir={default_dir}", f"--results_json={default_dir}.json"], timeout=JOB_TIMEOUT)
-    assert one_device.returncode == 0, one_device.stderr[-3000:]
-    job, output, results = finish(slurm, job_id, paths)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, output[-3000:])
-    return dict(slurm=(results, paths), default=(json.load(open(f"{default_dir}.json")), default_dir),
-                out_dir=out_dir)
+    one_device = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", "--strategy=default", "--simulate_devices=0", *FLAGS,
+         f"--train_steps={STEPS}", f"--model_dir={default_dir}", f"--results_json={default_dir}.json"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"),
+        stdout=subprocess.DEVNULL, stderr=open(f"{default_dir}.log", "w"))
+    try:
+        term_after_step_10(slurm, *preempted)
+        signalled = time.monotonic()
+        result = dict(preempted=finish(slurm, *preempted), seconds_to_end=time.monotonic() - signalled,
+                      checkpoints=read(os.path.join(preempted[1]["model_dir"], "checkpoints.json")))
+        # The resubmission: same script and flags, the same --model_dir, a --train_steps to stop at.
+        resumed = submit(slurm, out_dir, "resumed", f"--train_steps={STEPS}",
+                         model_dir=preempted[1]["model_dir"])
+        assert one_device.wait(JOB_TIMEOUT) == 0, read(f"{default_dir}.log")[-3000:]
+    finally:
+        one_device.kill()
+    result.update(uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]["model_dir"]),
+                  resumed=finish(slurm, *resumed),
+                  default=(json.load(open(f"{default_dir}.json")), default_dir))
+    return result
 
 
 def test_sbatch_two_tasks_on_one_node_train_like_one_device(runs):
-    (results, paths), (reference, reference_dir) = runs["slurm"], runs["default"]
+    (job, output, results, model_dir), (reference, reference_dir) = runs["uninterrupted"], runs["default"]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, output[-3000:])
     assert results["strategy"] == "multi_worker_mirrored" and results["num_replicas"] == 2
     assert len(results["losses"]) == len(reference["losses"]) == STEPS
     np.testing.assert_allclose(results["losses"], reference["losses"], rtol=RTOL, atol=0)
-    expected, got = final_tensors(reference_dir), final_tensors(paths["model_dir"])
+    expected, got = final_tensors(reference_dir), final_tensors(model_dir)
     assert expected.keys() == got.keys() and expected
     worst = max(relative_difference(expected[name], got[name]) for name in expected)
     assert worst <= RTOL, worst
 
 
-def test_scancel_term_saves_exit_4_and_a_resubmitted_job_resumes_exactly(slurm, runs):
-    uninterrupted, _ = runs["slurm"]
-    # Many more steps than STEPS: only the TERM ends this job; --train_steps only says when to stop.
-    job_id, paths = submit(slurm, runs["out_dir"], "preempted", "--train_steps=1000000")
-    slurm.wait(job_id, JOB_TIMEOUT, until=lambda job: "step 10/" in read(paths["out"])
-               or job["JobState"] not in ("PENDING", "RUNNING"))
-    assert "step 10/" in read(paths["out"]), read(paths["out"])[-3000:]
-    # No --batch/--full: the signal goes to the job's steps (the python tasks), while the
-    # batch shell stays to report srun's exit code.
-    signalled = time.monotonic()
-    slurm.command(["scancel", "--signal=TERM", job_id])
-    job, output, _ = finish(slurm, job_id, paths)
-    seconds_to_end = time.monotonic() - signalled
+def test_scancel_term_saves_exit_4_and_a_resubmitted_job_resumes_exactly(runs):
+    job, output, _ = runs["preempted"]
     assert task_exit_codes(output) == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, output[-3000:]
     assert job["ExitCode"] == f"{EXIT_PREEMPTED}:0", job
     saved = re.findall(r"saved a checkpoint at step (\d+)", output)
     assert len(saved) == 2 and saved[0] == saved[1], saved        # both tasks, one step
     step = int(saved[0])
     assert 10 <= step < STEPS, f"TERM landed at step {step}; STEPS={STEPS} leaves nothing to resume"
-    assert json.load(open(os.path.join(paths["model_dir"], "checkpoints.json")))["checkpoints"][-1] \
-        == f"ckpt-{step}"
-    print(f"TERM to job end: {seconds_to_end:.1f} s; checkpoint at step {step}")
+    assert json.loads(runs["checkpoints"])["checkpoints"][-1] == f"ckpt-{step}", runs["checkpoints"]
+    print(f"TERM to job end: {runs['seconds_to_end']:.1f} s; checkpoint at step {step}")
 
-    job_id, paths = submit(slurm, runs["out_dir"], "preempted", f"--train_steps={STEPS}")
-    job, output, resumed = finish(slurm, job_id, paths)
+    job, output, resumed = runs["resumed"]
     assert job["ExitCode"] == "0:0", (job, output[-3000:])
     assert resumed["start_step"] == step and len(resumed["losses"]) == STEPS - step
+    uninterrupted = runs["uninterrupted"][2]
     np.testing.assert_allclose(resumed["losses"], uninterrupted["losses"][step:], rtol=RTOL, atol=0)
 
 

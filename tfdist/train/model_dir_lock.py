@@ -60,7 +60,8 @@ def _read(fd: int) -> str:
     return os.read(fd, 4096).decode("utf-8", "replace").strip()
 
 
-def _acquire(path: str, model_dir: str) -> int:
+def _acquire(path: str, model_dir: str) -> Optional[int]:
+    """The locked file's descriptor; None where the file system has no locks."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # not inherited by children (PEP 446)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -71,6 +72,12 @@ def _acquire(path: str, model_dir: str) -> int:
             f"--model_dir {model_dir!r} is in use by another run: {holder} (lock file {path}). "
             f"Two runs on one --model_dir would overwrite each other's checkpoints. Wait for "
             f"that run to finish, stop it, or give this run another --model_dir.") from None
+    except OSError as error:   # ENOLCK, EOPNOTSUPP: e.g. an NFS mount without its lock daemon
+        os.close(fd)
+        # Refusing to train there would punish the common case (one run) for the rare one.
+        log.warning("--model_dir %s: cannot lock %s (%s), so a second run there would not be "
+                    "stopped", model_dir, path, error.strerror or error)
+        return None
     except BaseException:
         os.close(fd)
         raise
@@ -83,7 +90,9 @@ def _acquire(path: str, model_dir: str) -> int:
     return fd
 
 
-def _release(fd: int) -> None:
+def _release(fd: Optional[int]) -> None:
+    if fd is None:
+        return
     try:
         os.ftruncate(fd, 0)   # a clean end: the next run has no stale holder to report
     finally:

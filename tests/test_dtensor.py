@@ -107,10 +107,11 @@ def train_with_optimizer(config, optimizer_fn, label):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "nesterov"])
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
-def test_dtensor_adamw_and_nesterov_match_default(model, optimizer):
+def test_dtensor_adamw_and_nesterov_match_default(optimizer, model="mlp"):
     """update.py's AdamW (the registry's: weight decay 0.004) and SGD nesterov momentum,
-    on the 2-D mesh: per-step losses and final weights within 1e-5 of `default`."""
+    on the 2-D mesh: per-step losses and final weights within 1e-5 of `default`.
+    The mlp only: the rules differ from Adam's and momentum's (which run on the
+    transformer above) in dense arithmetic alone, and the transformer costs minutes."""
     from tfdist.train import optimizers
     assert optimizers.ADAMW_WEIGHT_DECAY > 0  # else this would not test the decay
     mesh = dict(mesh="batch=2,model=2", layout="megatron")

@@ -229,7 +229,7 @@ def weights_difference(model_dir: str, reference_dir: str) -> Tuple[float, str]:
         difference = np.linalg.norm(got[name] - reference) / max(np.linalg.norm(reference), 1e-12)
         if difference > worst or not worst_name:
             worst, worst_name = float(difference), name
-    return worst, worst_name
+    return worst, worst_name if worst > 0 else "(all equal)"
 
 
 def kept_ranges(resume_steps: List[int], steps: int) -> List[Tuple[int, int, int]]:

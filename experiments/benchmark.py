@@ -27,8 +27,8 @@ Suites:
              synthetic data per --collectives choice, with --model_dir and
              --checkpoint_every (default 200); threads, RSS and open files of each
              worker, sampled from /proc after the first step and until it exits.
-  chaos      an uninterrupted 2-worker run, then the same under --max_restarts
-             --kills with --kills (default 10) seeded SIGKILLs of a random worker;
+  chaos      an uninterrupted 2-worker run, then the same command under
+             --max_restarts=KILLS with --kills (default 10) seeded SIGKILLs of a random worker;
              final weights against the uninterrupted run, examples trained twice
              (counted), steps recomputed. --checkpoint_every defaults to 20 here.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
@@ -50,11 +50,12 @@ FLAGS = flags.FLAGS
 SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak", "chaos")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
-flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed).")
+flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
+                     "steps of each job (their default: 20,000; (3 * kills + 2) * checkpoint_every).")
 flags.DEFINE_integer("trials", 5, "Alternating trials per contender; medians are reported.")
 flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).")
 flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
-flags.DEFINE_string("collectives", "auto,ring,tcp,shm", "allreduce: implementations to compare.")
+flags.DEFINE_string("collectives", "auto,ring,tcp,shm", "allreduce and soak: implementations to compare.")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
 flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
 flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,

@@ -73,9 +73,9 @@ def final_tensors(model_dir):
     import tensorflow as tf
     with open(os.path.join(model_dir, "checkpoints.json")) as f:
         newest = os.path.join(model_dir, json.load(f)["checkpoints"][-1])
-    return {name: tf.train.load_checkpoint(newest).get_tensor(name)
-            for name, _ in tf.train.list_variables(newest)
-            if "OPTIMIZER_SLOT" in name or "/.ATTRIBUTES" in name}
+    reader = tf.train.load_checkpoint(newest)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(newest)
+            if "OPTIMIZER_SLOT" in name or "/.ATTRIBUTES" in name}   # weights, slots, counters
 
 
 def relative_difference(reference, value):

@@ -181,7 +181,7 @@ def test_a_bad_frame_from_an_authenticated_peer_is_an_error_naming_it_never_a_su
     start = time.monotonic()
     with pytest.raises(tcp_ring.TcpRingError, match=message) as raised:
         rings[0].all_reduce(mine)
-    assert time.monotonic() - start < 1.5 + 1
+    assert time.monotonic() - start < 1.5 + 2   # within the timeout (and a loaded machine's slack)
     if case != "payload cut, then closed":
         assert f"worker 1 ({LOOPBACK}:" in str(raised.value)
     assert np.array_equal(mine, np.arange(10, dtype=np.float32))   # nothing was summed into it
@@ -194,10 +194,10 @@ def test_a_peer_trickling_bytes_cannot_stretch_the_deadline():
     rings = connect_rings(2, timeout=1.0)
     stop = threading.Event()
 
-    def trickle():   # a valid header, then one byte every 0.2 s: 4 s for the payload
+    def trickle():   # a valid header, then one byte every 0.3 s: 6 s for the payload
         rings[1].to_next.sendall(frame(CHUNK))
         for _ in range(CHUNK):
-            if stop.wait(0.2):
+            if stop.wait(0.3):
                 return
             rings[1].to_next.sendall(b"\0")
 
@@ -205,7 +205,7 @@ def test_a_peer_trickling_bytes_cannot_stretch_the_deadline():
     start = time.monotonic()
     with pytest.raises(tcp_ring.TcpRingError, match=f"worker 1 \\({LOOPBACK}:.*timeout"):
         rings[0].all_reduce(np.ones(10, np.float32))
-    assert time.monotonic() - start < 1.8
+    assert time.monotonic() - start < 3   # the 1 s deadline, not the 6 s trickle
     stop.set()
     close_all(rings)
 

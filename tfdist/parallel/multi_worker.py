@@ -151,6 +151,7 @@ class MultiWorkerParallelism(StrategyParallelism):
         self.ring = None           # a TcpRing with --collective=tcp or shm (connect_ring)
         self.reducer = None        # what sums the gradients: the ring, or shared memory on it
         self._sum_fn = None
+        self._setup_error = None   # a UsageError/ClusterError met while tracing the step
         self.watchdog = watchdog.for_process(
             collective_timeout, f"worker {tf_config.rank} of {tf_config.num_workers}")
 
@@ -161,7 +162,12 @@ class MultiWorkerParallelism(StrategyParallelism):
         """step_fn under the watchdog: a peer that never answers ends this process (exit 3)."""
         def guarded(iterator):
             with self.watchdog.guard(what):
-                return step_fn(iterator)
+                try:
+                    return step_fn(iterator)
+                except Exception:
+                    if self._setup_error is not None:   # raised while tracing: see _map_shared_memory
+                        raise self._setup_error from None
+                    raise
         return guarded
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
@@ -193,15 +199,19 @@ class MultiWorkerParallelism(StrategyParallelism):
 
     def _map_shared_memory(self, shapes) -> None:
         """The gradients' regions, before training: a full /dev/shm is a usage error here,
-        not a failed step (a peer that fails to map ends this worker as a cluster error)."""
+        not a failed step (a peer that fails to map ends this worker as a cluster error).
+        This runs while the step is traced, where autograph would wrap the error in a
+        StagingError with a traceback, so it is kept for _guarded to raise as it is."""
         try:
             self.reducer.prepare(shapes)
         except shm_ring.SharedMemoryUnavailable as error:
-            raise UsageError(f"--collective=shm: {error}") from None
+            self._setup_error = UsageError(f"--collective=shm: {error}")
         except tcp_ring.TcpRingError as error:
-            raise ClusterError(f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: "
-                               f"--collective=shm could not share its memory with the other "
-                               f"workers ({error}).") from None
+            self._setup_error = ClusterError(
+                f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: --collective=shm "
+                f"could not share its memory with the other workers ({error}).")
+        if self._setup_error is not None:
+            raise self._setup_error
 
     def sum_over_replicas(self, value) -> np.ndarray:
         """Element-wise sum of a float32 value (scalar or vector) over every replica of

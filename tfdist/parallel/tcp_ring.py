@@ -45,6 +45,7 @@ CONNECT_RETRY_SECONDS = 0.05
 HANDSHAKE_SECONDS = 5.0     # per connection: an honest peer answers in milliseconds, and a
                             # stranger that stalls must not hold the door for the whole timeout
 ACCEPT_POLL_SECONDS = 0.2   # how often the acceptor looks up from accept() (to be stopped)
+SENDER_GRACE_SECONDS = 0.5  # after a bad frame, how long our own frame may take to go out
 FRAME = struct.Struct("<4sQ16sHHQ")   # magic, exchange number, layout digest, kind, part, bytes
 FRAME_MAGIC = b"TFDF"
 REDUCE_SCATTER, ALL_GATHER, BARRIER, GATHER_BYTES = 1, 2, 3, 4
@@ -247,7 +248,11 @@ class TcpRing:
             expected = FRAME.pack(FRAME_MAGIC, sequence, digest, kind, received_part, view.nbytes)
             self._receive_frame(expected, view, deadline)
         except TcpRingError as error:
-            self._break(str(error))   # also wakes our sender, if the next worker stalls it
+            # A moment for our own frame to go out (the neighbour then sees the same
+            # mismatch, not just a closed socket); then the shutdown wakes our sender,
+            # should the next worker have stopped reading.
+            thread.join(min(SENDER_GRACE_SECONDS, max(0.0, deadline - time.monotonic())))
+            self._break(str(error))
             raise
         finally:
             thread.join(max(0.0, deadline - time.monotonic()) + 0.1)

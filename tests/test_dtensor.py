@@ -123,6 +123,13 @@ def test_dtensor_adamw_and_nesterov_match_default(optimizer, model="mlp"):
                                    "default nesterov")
         got = train_with_optimizer(make_config("dtensor", model, "momentum", **mesh),
                                    nesterov, "dtensor nesterov")
+    if REPORT:
+        weight_error = max(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-12)
+                           for r, g in zip(ref.weights, got.weights))
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({"model": model, "optimizer": optimizer, "mesh": mesh["mesh"],
+                                "max_rel_loss_error": equivalence.max_relative_loss_error(ref, got),
+                                "max_rel_weight_error": float(weight_error)}) + "\n")
     equivalence.assert_equivalent(ref, got)
     assert len(got.losses) == STEPS
     assert sum(got.losses[-5:]) < sum(got.losses[:5])

@@ -86,6 +86,10 @@ class Parallelism(abc.ABC):
         modes that span processes bound it by --collective_timeout."""
         return contextlib.nullcontext()
 
+    def finish(self) -> None:
+        """Called once, after a run succeeded: a mode whose processes must leave
+        together waits for the others here (one process: nothing to wait for)."""
+
     def translate_failures(self):
         """Context that turns the mode's infrastructure failures into clear errors."""
         return contextlib.nullcontext()

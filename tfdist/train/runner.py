@@ -104,6 +104,8 @@ def _run(config: RunConfig, return_model: bool):
         results = results_dict(config, parallel, steps, loop_result, model, optimizer)
         if config.results_json and parallel.is_chief:
             write_results(config.results_json, results)
+        with parallel.translate_failures():
+            parallel.finish()
     finally:
         parallel.close()  # also on preemption or a peer failure: no scratch dirs left
     return (results, model) if return_model else results

@@ -42,6 +42,15 @@ class DTensorParallelism(Parallelism):
         self.specs = {}
         self.slots = {}
 
+    def finish(self) -> None:
+        """Multi-client: every client leaves together. A client that exits while
+        another still runs a collective cancels it ("Function was cancelled before
+        it was started", seen when client 0 exited first)."""
+        if self.env is not None and self.env.num_clients > 1:
+            from tensorflow.experimental import dtensor
+            dtensor.barrier(self.mesh, "tfdist-finish",
+                            timeout_in_ms=int(1000 * self.config.collective_timeout))
+
     def validate_global_batch(self, global_batch_size: int) -> None:
         if global_batch_size % self.num_replicas:
             raise UsageError(

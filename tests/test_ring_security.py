@@ -117,7 +117,7 @@ def test_a_stranger_is_refused_logged_and_ignored_and_the_sum_stays_exact(
 
 
 def test_a_door_that_only_strangers_knock_on_ends_naming_them():
-    server, _ = tcp_ring.listen(LOOPBACK), None
+    server = tcp_ring.listen(LOOPBACK)
     acceptor = tcp_ring._Acceptor(server, AUTH, 0, 2, time.monotonic() + 1.5)
     acceptor.start()
     sock, address = start_stranger(server.getsockname()[1], "wrong secret")

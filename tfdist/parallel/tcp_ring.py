@@ -144,6 +144,7 @@ class TcpRing:
         deadline = time.monotonic() + timeout
         acceptor = _Acceptor(server, auth, rank, size, deadline)
         acceptor.start()
+        to_next = None
         try:
             following = (rank + 1) % size
             to_next = _connect_authenticated(hosts[following], ports[following], deadline,
@@ -152,6 +153,8 @@ class TcpRing:
         except BaseException:
             acceptor.stop()
             acceptor.discard()   # a peer it let in after all: nobody will read it
+            if to_next is not None:
+                to_next.close()
             raise
         finally:
             acceptor.stop()
@@ -264,12 +267,18 @@ class TcpRing:
                                f"{failure[0] if failure else 'timed out'}")
 
     def _receive_frame(self, expected: bytes, view: memoryview, deadline: float) -> None:
-        """The header first, checked against `expected`; then exactly the payload."""
+        """The header, checked against `expected`, then exactly the payload. One call
+        reads the header and whatever payload has arrived with it (a syscall saved per
+        exchange); those bytes are only used once the header matched and all arrived."""
         header = bytearray(FRAME.size)
-        _receive_exactly(self.from_prev, memoryview(header), deadline, self._peer_label())
+        peer = self._peer_label()
+        got = _receive_into(self.from_prev, [memoryview(header), view], deadline, peer)
+        if got < FRAME.size:
+            _receive_exactly(self.from_prev, memoryview(header)[got:], deadline, peer)
+            got = FRAME.size
         if header != expected:
-            raise TcpRingError(f"{self._peer_label()} {frame_mismatch(bytes(header), expected)}")
-        _receive_exactly(self.from_prev, view, deadline, self._peer_label())
+            raise TcpRingError(f"{peer} {frame_mismatch(bytes(header), expected)}")
+        _receive_exactly(self.from_prev, view[got - FRAME.size:], deadline, peer)
 
     def _break(self, reason: str) -> None:
         """No later exchange can trust these streams: refuse them from now on, and shut
@@ -472,6 +481,23 @@ def _receive_bytes(sock: socket.socket, count: int, deadline: float, peer: str,
     buffer = bytearray(count)
     _receive_exactly(sock, memoryview(buffer), deadline, peer, closed)
     return bytes(buffer)
+
+
+def _receive_into(sock: socket.socket, views, deadline: float, peer: str) -> int:
+    """One read into `views` in order (scatter), before `deadline`: the byte count."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TcpRingError(f"{peer} sent too little within the collective timeout")
+    sock.settimeout(remaining)
+    try:
+        count = sock.recvmsg_into(views)[0]
+    except socket.timeout:
+        raise TcpRingError(f"{peer} sent nothing within the collective timeout") from None
+    except OSError as error:
+        raise TcpRingError(f"connection to {peer} failed: {error}") from None
+    if count == 0:
+        raise TcpRingError(f"{peer} closed its connection (it stopped or died)")
+    return count
 
 
 def _receive_exactly(sock: socket.socket, view: memoryview, deadline: float, peer: str,

@@ -145,6 +145,17 @@ def test_silent_peer_ends_the_survivor_within_the_timeout(collective, tmp_path):
             worker.kill()
 
 
+def test_ring_across_hosts_without_a_secret_is_refused_before_any_socket(monkeypatch):
+    """build_multi_worker asks for the secret before the rendezvous opens a socket;
+    in-process, so no traffic goes to the (documentation-only) other host."""
+    monkeypatch.delenv("TFDIST_JOB_SECRET", raising=False)
+    config = parse_tf_config({"cluster": {"worker": ["127.0.0.1:2222", "trainer-1.example:2222"]},
+                              "task": {"type": "worker", "index": 0}})
+    with pytest.raises(UsageError, match=r"TFDIST_JOB_SECRET is not set \(workers on "
+                                         r"trainer-1\.example\)"):
+        multi_worker.ring_secret(config)
+
+
 def rank_pids(launcher_pid):
     """pid of each worker the launcher started, by the TFDIST_RANK in its environment."""
     found = {}

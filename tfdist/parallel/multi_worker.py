@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfdist import cluster, devices, rendezvous
 from tfdist.errors import ClusterError, UsageError, require
-from tfdist.parallel import shm_ring, tcp_ring, watchdog
+from tfdist.parallel import ring_auth, shm_ring, tcp_ring, watchdog
 from tfdist.parallel.strategy import StrategyParallelism
 from tfdist.train import keras_fixes, step as step_math
 
@@ -277,6 +277,7 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
                          f"{', '.join(local)}. Use ring (or auto) on CPUs.")
     if config.collective in TFDIST_COLLECTIVES:
         check_tcp_ring_config(config, local)
+        ring_secret(tf_config)   # a missing secret across hosts: exit 2 before any socket
     if config.collective == "shm":
         check_one_host(tf_config)
     strategy = build_strategy(config, tf_config, local)
@@ -306,6 +307,12 @@ def check_tcp_ring_config(config, local) -> None:
             "scale would check unsummed gradients); use mixed_bfloat16 or float32.")
 
 
+def ring_secret(tf_config: cluster.TFConfig) -> bytes:
+    """The job secret the ring's handshake proves (ring_auth.job_secret: a UsageError
+    across hosts without $TFDIST_JOB_SECRET)."""
+    return ring_auth.job_secret([cluster.split_address(a)[0] for a in tf_config.worker_addresses])
+
+
 def check_one_host(tf_config: cluster.TFConfig) -> None:
     """Shared memory needs every worker on this machine."""
     hosts = [cluster.split_address(a)[0] for a in tf_config.worker_addresses]
@@ -318,16 +325,19 @@ def check_one_host(tf_config: cluster.TFConfig) -> None:
 def connect_ring(parallel: MultiWorkerParallelism, timeout: float,
                  collective: str = "tcp") -> tcp_ring.TcpRing:
     """Listens on a free port, learns every worker's port through one TF all-reduce,
-    and connects the ring (hosts from TF_CONFIG)."""
+    and connects the ring (hosts from TF_CONFIG), every link authenticated (ring_auth)."""
     tf_config = parallel.tf_config
     hosts = [cluster.split_address(a)[0] for a in tf_config.worker_addresses]
-    server = tcp_ring.listen(hosts[tf_config.rank])
+    # build_multi_worker checked the secret before any socket (ring_secret).
+    auth = ring_auth.RingAuth(ring_secret(tf_config), ring_auth.job_id(tf_config.worker_addresses))
+    spans_hosts = any(not cluster.is_local_host(host) for host in hosts)
+    server = tcp_ring.listen(hosts[tf_config.rank], spans_hosts)   # its own address only
     ports = np.zeros(tf_config.num_workers, np.float32)
     ports[tf_config.rank] = server.getsockname()[1]   # < 2**24: exact in float32
     try:
         with parallel.translate_failures():  # a peer lost during the port exchange
             ports = [int(p) for p in parallel.sum_over_replicas(ports)]  # 1 per worker
-        ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout)
+        ring = tcp_ring.TcpRing.connect(tf_config.rank, hosts, ports, server, timeout, auth)
     except tcp_ring.TcpRingError as error:
         raise ClusterError(f"worker {tf_config.rank} of {tf_config.num_workers}: "
                            f"--collective={collective} could not connect its ring ({error}). "

@@ -48,7 +48,7 @@ class GuardBatches(keras.callbacks.Callback):
         self._open = self.parallel.guard(what)
         self._open.__enter__()
 
-    def _end(self):
+    def end(self):
         if self._open is not None:
             self._open.__exit__(None, None, None)
             self._open = None
@@ -57,13 +57,13 @@ class GuardBatches(keras.callbacks.Callback):
         self._begin("a Keras fit batch")
 
     def on_train_batch_end(self, batch, logs=None):
-        self._end()
+        self.end()
 
     def on_test_batch_begin(self, batch, logs=None):
         self._begin("a Keras evaluate batch")
 
     def on_test_batch_end(self, batch, logs=None):
-        self._end()
+        self.end()
 
 
 def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
@@ -76,9 +76,12 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
     callbacks, start_step = backup_callbacks(config, parallel)
     dataset_fn = pipeline.train_dataset_fn(
         source, config.global_batch_size, config.seed, config.data, start_step)
-    recorder = StepLosses()
-    model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
-              callbacks=callbacks + [recorder, GuardBatches(parallel)], verbose=0, shuffle=False)
+    recorder, guard = StepLosses(), GuardBatches(parallel)
+    try:
+        model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
+                  callbacks=callbacks + [recorder, guard], verbose=0, shuffle=False)
+    finally:
+        guard.end()   # a batch that raised never reached on_train_batch_end: disarm anyway
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
     rate = max(len(recorder.losses) - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
     eval_loss, eval_accuracy = evaluate(parallel, parallel.make_eval_step(model), source, config)

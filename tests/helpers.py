@@ -18,6 +18,19 @@ def small_config(**overrides) -> RunConfig:
     return RunConfig(**fields)
 
 
+def from_json_overrides(overrides: dict) -> dict:
+    """RunConfig overrides from JSON-friendly ones: "model" is a model name (with the
+    tests' small cnn filters) or a dict of ModelConfig fields, "data" a dict of
+    DataConfig fields (the multi-worker tests send configs to their workers so)."""
+    overrides = dict(overrides)
+    model = overrides.pop("model")
+    overrides["model"] = (ModelConfig(**model) if isinstance(model, dict)
+                          else ModelConfig(name=model, filters=(8, 16)))
+    if "data" in overrides:
+        overrides["data"] = DataConfig(**overrides["data"])
+    return overrides
+
+
 def run_cli(args, timeout=120, env=None):
     """Runs `python -m experiments.train ARGS` from the repo; returns CompletedProcess."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO, **(env or {}))

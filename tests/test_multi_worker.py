@@ -15,8 +15,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_cli, small_config
-from tfdist.config import DataConfig, ModelConfig
+from helpers import REPO, from_json_overrides, run_cli, small_config
 from tfdist.testing import equivalence
 
 TRANSFORMER = dict(model=dict(name="transformer", num_layers=1, d_model=32, num_heads=4,
@@ -38,13 +37,8 @@ def launch(args, timeout=600):
 
 
 def reference(name):
-    overrides = dict(CONFIGS[name], trainer="loop")
-    model = overrides.pop("model")
-    model = ModelConfig(**model) if isinstance(model, dict) else ModelConfig(
-        name=model, filters=(8, 16))
-    if "data" in overrides:
-        overrides["data"] = DataConfig(**overrides["data"])
-    return equivalence.train(small_config(model=model, train_steps=STEPS, **overrides), name)
+    overrides = from_json_overrides(dict(CONFIGS[name], trainer="loop"))
+    return equivalence.train(small_config(train_steps=STEPS, **overrides), name)
 
 
 @pytest.fixture(scope="module")

@@ -19,23 +19,16 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helpers import small_config  # noqa: E402
-from tfdist.config import DataConfig, ModelConfig  # noqa: E402
+from helpers import from_json_overrides, small_config  # noqa: E402
 from tfdist.train import runner  # noqa: E402
 
 
 def main(configs_json: str, out_dir: str) -> None:
     simulate = int(os.environ.get("TFDIST_SIMULATE_DEVICES", "0"))
     for name, overrides in json.loads(configs_json).items():
-        overrides = dict(overrides)
-        model = overrides.pop("model")
-        model = ModelConfig(**model) if isinstance(model, dict) else ModelConfig(
-            name=model, filters=(8, 16))
-        if "data" in overrides:
-            overrides["data"] = DataConfig(**overrides["data"])
         config = small_config(strategy="multi_worker_mirrored", simulate_devices=simulate,
-                              model=model, results_json=os.path.join(out_dir, f"{name}.json"),
-                              **overrides)
+                              results_json=os.path.join(out_dir, f"{name}.json"),
+                              **from_json_overrides(overrides))
         _, model = runner.run(config, return_model=True)
         rank = os.environ["TFDIST_RANK"]
         np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), *model.get_weights())

@@ -8,7 +8,9 @@ the same examples in every global step whatever the number of replicas.
 
 import abc
 import dataclasses
-from typing import Tuple
+from typing import Optional, Tuple
+
+from tfdist.errors import UsageError
 
 CLASSIFICATION = "classification"
 LANGUAGE_MODEL = "language_model"
@@ -17,15 +19,30 @@ SPLITS = ("train", "test")
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
+    """What the pipeline and the registry models know about a source.
+
+    The pipeline needs only `name` and the split sizes. The registry models also
+    read task, input_shape, input_dtype and num_classes to build themselves; a
+    user's own data leaves them None (unknown), since a user's model is built by
+    the user, and its examples may be any structure (tf.data's element_spec says
+    what they are).
+    """
     name: str
-    task: str                      # CLASSIFICATION or LANGUAGE_MODEL
-    input_shape: Tuple[int, ...]   # one example's features, e.g. (8, 8, 1) or (64,)
-    input_dtype: str               # "float32" or "int32"
-    num_classes: int               # classes, or the vocabulary size for a language model
-    num_examples: Tuple[Tuple[str, int], ...]  # (("train", n), ("test", m))
+    task: Optional[str] = None                   # CLASSIFICATION, LANGUAGE_MODEL or None
+    input_shape: Optional[Tuple[int, ...]] = None  # one example's features, e.g. (8, 8, 1)
+    input_dtype: Optional[str] = None            # "float32" or "int32"
+    num_classes: Optional[int] = None            # classes, or the vocabulary size
+    num_examples: Tuple[Tuple[str, int], ...] = ()  # (("train", n), ("test", m)); a split may be absent
+
+    def has_split(self, split: str) -> bool:
+        return split in dict(self.num_examples)
 
     def size(self, split: str) -> int:
-        return dict(self.num_examples)[split]
+        sizes = dict(self.num_examples)
+        if split not in sizes:
+            raise UsageError(f"Dataset {self.name!r} has no {split!r} split; it has "
+                             f"{', '.join(sizes) or 'none'}.")
+        return sizes[split]
 
 
 class DatasetSource(abc.ABC):
@@ -35,8 +52,11 @@ class DatasetSource(abc.ABC):
 
     @abc.abstractmethod
     def examples(self, split: str):
-        """Returns an unbatched tf.data.Dataset of (features, label) in a fixed order.
+        """Returns an unbatched tf.data.Dataset of (features, label) or
+        (features, label, sample_weight), in a fixed order.
 
-        features match info.input_shape/input_dtype; label is int32 (a scalar for
-        classification, a (seq_len,) vector of next tokens for a language model).
+        Registry sources: features match info.input_shape/input_dtype; label is
+        int32 (a scalar for classification, a (seq_len,) vector of next tokens for
+        a language model). User sources (tfdist.data.user): features and label of
+        any structure, label int or float, sample_weight a float32 scalar.
         """

@@ -24,6 +24,10 @@ Policies, explicitly:
   batch at a tenth of the cost (0.24 against 3.68 ms a batch of 256 x 784 on
   one thread: `python -m experiments.benchmark --suite=input`). The blocks are
   generated or decoded once and cached when the split is at most CACHE_LIMIT_BYTES.
+- structure: an element is (features, label) or (features, label, sample_weight),
+  where features and label may be any tf.nest structure (a dict for a model with
+  named inputs, a tuple, a tensor). Every step below maps the whole structure
+  with tf.nest, so the row order of every component is the same permutation.
 """
 
 import logging
@@ -44,6 +48,22 @@ def shuffle_buffer_size(source, config) -> int:
     if config.shuffle_buffer:
         return config.shuffle_buffer
     return min(source.info.size("train"), MAX_SHUFFLE_BUFFER)
+
+
+def num_rows(element):
+    """Examples in a batched element: the leading size of its first component
+    (every component has the same one, tf.data batches them together)."""
+    return tf.shape(tf.nest.flatten(element)[0])[0]
+
+
+def gather_rows(element, rows):
+    """`element` (any structure of batched tensors) restricted to `rows`, in that order."""
+    return tf.nest.map_structure(lambda tensor: tf.gather(tensor, rows), element)
+
+
+def drop_rows(element, count):
+    """`element` without its first `count` rows."""
+    return tf.nest.map_structure(lambda tensor: tensor[count:], element)
 
 
 def _finish(dataset, input_context, global_batch_size, config, sharded=False):
@@ -77,12 +97,14 @@ def shuffled_epoch(examples, block_size: int, seed: int, epoch, stream: int = 0)
 
 
 def permuted_block(block, seed: int, stream, epoch, block_index):
-    """Block `block_index` of `epoch`, in the order drawn from (seed, stream, epoch, block)."""
-    x, y = block
+    """Block `block_index` of `epoch`, in the order drawn from (seed, stream, epoch, block).
+
+    `block` is a tuple (x, y) or (x, y, w) of structures; one permutation orders them all.
+    """
     epoch_block = tf.cast(epoch, tf.int64) * 1_000_003 + block_index
     key = tf.stack([tf.constant(seed * 100_003 + stream, tf.int64), epoch_block])
-    order = tf.random.experimental.stateless_shuffle(tf.range(tf.shape(y)[0]), seed=key)
-    return tf.gather(x, order), tf.gather(y, order)
+    order = tf.random.experimental.stateless_shuffle(tf.range(num_rows(block)), seed=key)
+    return gather_rows(block, order)
 
 
 def forever(epoch_fn, start_epoch: int = 0):
@@ -112,11 +134,11 @@ def permuted_blocks_forever(source, block_size: int, seed: int, consumed: int, c
 
     def block_of_the_stream(k, block):
         index = k % num_blocks
-        x, y = permuted_block(block, seed, 0, start_epoch + k // num_blocks, index)
-        length = tf.cast(tf.shape(y)[0], tf.int64)
+        permuted = permuted_block(block, seed, 0, start_epoch + k // num_blocks, index)
+        length = tf.cast(num_rows(permuted), tf.int64)
         already_consumed = tf.where(k < num_blocks,
                                     tf.clip_by_value(offset - index * block_size, 0, length), 0)
-        return x[already_consumed:], y[already_consumed:]
+        return drop_rows(permuted, already_consumed)
 
     return blocks.repeat().enumerate().map(block_of_the_stream)
 
@@ -130,17 +152,26 @@ def sharded_batches(blocks, input_context, global_batch_size: int):
     batches = blocks.rebatch(global_batch_size, drop_remainder=True)
     if pipelines > 1:
         mine = tf.range(index, global_batch_size, pipelines)
-        batches = batches.map(lambda x, y: (tf.gather(x, mine), tf.gather(y, mine)))
+        batches = batches.map(lambda *element: gather_rows(element, mine))
     per_replica = input_context.get_per_replica_batch_size(global_batch_size)
     batches = batches.rebatch(per_replica, drop_remainder=True)
     return batches.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
 
 
+def example_bytes(element_spec):
+    """Bytes of one example of this (unbatched) spec, or None when a size is unknown."""
+    total = 0
+    for spec in tf.nest.flatten(element_spec):
+        if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+            return None
+        total += spec.shape.num_elements() * spec.dtype.size
+    return total
+
+
 def fits_cache(source) -> bool:
-    """Whether the training split (features, and labels at most as large) fits the cache."""
-    info = source.info
-    feature_bytes = math.prod(info.input_shape) * tf.dtypes.as_dtype(info.input_dtype).size
-    return 2 * feature_bytes * info.size("train") <= CACHE_LIMIT_BYTES
+    """Whether the training split fits the cache (its size known from the element spec)."""
+    one_example = example_bytes(source.examples("train").element_spec)
+    return one_example is not None and one_example * source.info.size("train") <= CACHE_LIMIT_BYTES
 
 
 def resume_point(consumed: int, epoch_length: int):
@@ -216,8 +247,9 @@ def log_sharding_once(file_level: bool, num_files: int, pipelines: int, lengths)
 
 
 def train_dataset_fn(source, global_batch_size: int, seed: int, config, start_step: int = 0):
-    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), forever,
-    starting at global step `start_step` (a resumed run continues the same stream).
+    """Returns dataset_fn(input_context) -> per-replica batches of (x, y), or (x, y, w)
+    for a source with sample weights, forever, starting at global step `start_step`
+    (a resumed run continues the same stream).
 
     A file-backed source uses file_backed_stream, element by element; any other
     source is permuted whole per epoch (as shuffled_epoch would) and cut into
@@ -246,15 +278,25 @@ def eval_dataset_fn(source, global_batch_size: int, config):
     """Returns dataset_fn(input_context) -> per-replica batches of (x, y, weight).
 
     The test split is padded with weight-0 copies of its first example up to
-    eval_steps * global_batch_size examples, so sums over weights are exact.
+    eval_steps * global_batch_size examples, so sums over weights are exact. The
+    weight is the pad flag (1 real, 0 padding) times the example's own sample
+    weight when it has one.
     """
     size = source.info.size("test")
     padding = eval_steps(source, global_batch_size) * global_batch_size - size
 
     def dataset_fn(input_context):
         examples = source.examples("test")
-        weighted = examples.map(lambda x, y: (x, y, tf.constant(1.0)))
-        pad = examples.take(1).map(lambda x, y: (x, y, tf.constant(0.0))).repeat(padding)
-        return _finish(weighted.concatenate(pad), input_context, global_batch_size, config)
+        real = examples.map(lambda *element: flagged(element, 1.0))
+        pad = examples.take(1).map(lambda *element: flagged(element, 0.0)).repeat(padding)
+        return _finish(real.concatenate(pad), input_context, global_batch_size, config)
 
     return dataset_fn
+
+
+def flagged(element, pad_flag: float):
+    """(x, y, w) from (x, y) or (x, y, sample_weight): w = sample_weight * pad_flag."""
+    flag = tf.constant(pad_flag)
+    if len(element) == 3:
+        return element[0], element[1], tf.cast(element[2], tf.float32) * flag
+    return element[0], element[1], flag

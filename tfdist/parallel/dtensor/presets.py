@@ -15,6 +15,11 @@ vocabulary [model, unsharded] (vocab-parallel) and lm_head along its output
 A user file maps regex -> list of axis names / "unsharded" (or null):
     {"dense_0/kernel": ["unsharded", "model"], "dense_0/bias": ["model"]}
 A .py file defines LAYOUT_MAP = {...} the same way.
+
+From Python, `layout` may also be a map object instead of a string: a tfdist
+LayoutMap, a keras.distribution.LayoutMap (e.g. a keras-hub backbone's
+`get_layout_map(mesh)`) or a dict of regex -> Keras axes tuple; the last two
+are converted by keras_layouts.from_keras, with Keras' matching rules.
 """
 
 import json
@@ -54,8 +59,10 @@ MEGATRON = {"mlp": MEGATRON_MLP, "transformer": MEGATRON_TRANSFORMER}
 PRESETS = ("data", "megatron")
 
 
-def layout_map_for(layout: str, model_name: str) -> LayoutMap:
-    """The LayoutMap named by --layout for model `model_name`."""
+def layout_map_for(layout, model_name: str) -> LayoutMap:
+    """The LayoutMap named by --layout for model `model_name` (or given as a map object)."""
+    if not isinstance(layout, str):
+        return _from_object(layout)
     if layout == "data":
         return LayoutMap(DATA)
     if layout == "megatron":
@@ -85,3 +92,23 @@ def load_file(path: str) -> LayoutMap:
             f"Layout file {path!r} must hold an object of regex -> list of axis names, "
             f"got {type(rules).__name__}.")
     return LayoutMap(rules)
+
+
+def _from_object(layout) -> LayoutMap:
+    from tfdist.parallel.dtensor import keras_layouts
+    if isinstance(layout, LayoutMap):
+        return layout
+    if isinstance(layout, dict) or keras_layouts.is_keras_layout_map(layout):
+        return keras_layouts.from_keras(layout)
+    raise UsageError(
+        f"layout must be a preset name ({', '.join(PRESETS)}), a layout file path (.json or "
+        f".py), a keras.distribution.LayoutMap, a dict of regex -> axes, or a tfdist "
+        f"LayoutMap; got {type(layout).__name__}: {layout!r:.200}.")
+
+
+def describe(layout):
+    """`layout` as JSON types: a --layout string as it is, a map object as {key: axes}."""
+    if isinstance(layout, str):
+        return layout
+    layout_map = _from_object(layout)
+    return {key: None if spec is None else list(spec) for key, spec in layout_map.items()}

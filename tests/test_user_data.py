@@ -240,7 +240,7 @@ def test_infinite_batched_ragged_and_empty_datasets_are_refused():
 
 
 def test_wrong_kinds_of_data_are_named():
-    refused(lambda: user.as_dataset_fns(42, GLOBAL_BATCH), "is a int", "tf.data.Dataset")
+    refused(lambda: user.as_dataset_fns(42, GLOBAL_BATCH), "has type int", "tf.data.Dataset")
     refused(lambda: user.as_dataset_fns((user_dataset(), user_dataset()), GLOBAL_BATCH),
             "tuple holding tf.data.Datasets")
     refused(lambda: user.source_from_user_data((np.array(["a", "b"]), np.zeros(2))),

@@ -68,7 +68,7 @@ def as_user_dataset(data, what: str) -> tf.data.Dataset:
         return with_known_length(float32_weights(data), what)
     if isinstance(data, (tuple, list)):
         return dataset_from_arrays(data, what)
-    raise UsageError(f"{what} is a {type(data).__name__}; expected a tf.data.Dataset of "
+    raise UsageError(f"{what} has type {type(data).__name__}; expected a tf.data.Dataset of "
                      f"unbatched (features, label[, sample_weight]) examples or a tuple of "
                      f"NumPy arrays (x, y[, sample_weight]).")
 
@@ -298,7 +298,7 @@ def as_source(data, data_config) -> DatasetSource:
         return registry.get_source(dataclasses.replace(data_config, name=data))
     if isinstance(data, (tf.data.Dataset, tuple, list)):
         return source_from_user_data(data)
-    raise UsageError(f"The data is a {type(data).__name__}; tfdist accepts {ACCEPTED}.")
+    raise UsageError(f"The data has type {type(data).__name__}; tfdist accepts {ACCEPTED}.")
 
 
 def _eval_fns(validation_data, source, global_batch_size: int, config):

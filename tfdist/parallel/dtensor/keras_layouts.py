@@ -1,8 +1,8 @@
 """keras.distribution layout maps (e.g. a keras-hub backbone's `get_layout_map(mesh)`)
 as tfdist LayoutMaps, with Keras' matching rules kept exactly.
 
-    mesh = keras_layouts.device_mesh("batch=2,model=2")      # a keras DeviceMesh
-    layout = keras_layouts.from_keras(GemmaBackbone.get_layout_map(mesh))
+    layout = keras_layouts.from_backbone(GemmaBackbone, "batch=2,model=2")
+    # the same as: from_keras(GemmaBackbone.get_layout_map(device_mesh("batch=2,model=2")))
     tfdist.run(RunConfig(strategy="dtensor", mesh="batch=2,model=2", layout=layout, ...))
 
 Keras 3.15's `LayoutMap.__getitem__(path)` (keras/src/distribution/
@@ -170,3 +170,15 @@ def device_mesh(mesh: str, devices: Optional[Sequence[str]] = None):
     return keras.distribution.DeviceMesh(
         shape=tuple(s for _, s in axes), axis_names=[a for a, _ in axes],
         devices=available[:size])
+
+
+def from_backbone(backbone, mesh: str) -> LayoutMap:
+    """A keras-hub backbone's (class or instance) own `get_layout_map` for `mesh`
+    ("batch=2,model=2"), converted: its data axis is `batch`, its model axis `model`."""
+    get_layout_map = getattr(backbone, "get_layout_map", None)
+    require(callable(get_layout_map),
+            f"{getattr(backbone, '__name__', type(backbone).__name__)} has no get_layout_map"
+            f"(device_mesh); keras-hub publishes it on e.g. GemmaBackbone and LlamaBackbone. "
+            f"Pass a keras.distribution.LayoutMap or a dict of regex -> axes instead.")
+    return from_keras(get_layout_map(device_mesh(mesh), model_parallel_dim_name="model",
+                                     data_parallel_dim_name="batch"))

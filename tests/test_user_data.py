@@ -80,7 +80,8 @@ def test_same_examples_under_a_real_mirrored_strategy():
     iterator = iter(strategy.distribute_datasets_from_function(fn))
     mirrored = []
     for _ in range(6):
-        parts = [strategy.experimental_local_results(part) for part in tf.nest.flatten(next(iterator))]
+        parts = [strategy.experimental_local_results(part)
+                 for part in tf.nest.flatten(next(iterator))]
         per_replica = [tf.nest.pack_sequence_as(fn_spec(fn), [p[r] for p in parts])
                        for r in range(2)]
         mirrored.append(sorted(row for batch in per_replica for row in rows(batch)))

@@ -84,7 +84,7 @@ def _put_current_directory_on_path() -> None:
 
 def _import_error_message(error: ImportError, module_name: str, spec: str, flag: str) -> str:
     missing = getattr(error, "name", None)
-    itself = missing is not None and (module_name == missing or module_name.startswith(missing + "."))
+    itself = missing is not None and (module_name + ".").startswith(missing + ".")
     if itself:
         where = (f"Python looked in sys.path (the current directory {os.getcwd()} first, then "
                  f"{_path_summary()}); run from the directory that holds "
@@ -170,7 +170,9 @@ def _a(noun: str) -> str:
 
 def _type_name(value) -> str:
     kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__module__ == "builtins":
+        return kind.__name__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def build_user_model(spec: str, flag: str = "--model"):

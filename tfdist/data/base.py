@@ -32,7 +32,7 @@ class DatasetInfo:
     input_shape: Optional[Tuple[int, ...]] = None  # one example's features, e.g. (8, 8, 1)
     input_dtype: Optional[str] = None            # "float32" or "int32"
     num_classes: Optional[int] = None            # classes, or the vocabulary size
-    num_examples: Tuple[Tuple[str, int], ...] = ()  # (("train", n), ("test", m)); a split may be absent
+    num_examples: Tuple[Tuple[str, int], ...] = ()  # (("train", n), ("test", m)); test optional
 
     def has_split(self, split: str) -> bool:
         return split in dict(self.num_examples)

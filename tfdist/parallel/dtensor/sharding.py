@@ -110,7 +110,7 @@ def build_sharded_optimizer(optimizer_fn, model, layouts: Mapping[str, dtensor.L
     variable (iterations, learning_rate) becomes a replicated DVariable.
     """
     optimizer = optimizer_fn()
-    update.check_supported(optimizer)
+    update.check_supported(optimizer, model.trainable_variables)  # before any step is traced
     references, slots = {}, {}
     create_slot = optimizer.add_variable_from_reference
 

@@ -11,52 +11,115 @@ resource reads after writes; inside DTensor's lowered SPMD program that
 ordering is evidently not kept. (A nested tf.function for the loss and gradients
 made the same drift appear on the MLP.)
 
-So each rule here reads every slot ONCE, computes the new values as tensors,
-writes them, and updates the parameter from the computed tensors, never from
-a re-read. The arithmetic is Keras 3.15's, operation for operation (the update
-rules of keras.optimizers.SGD / Adam / AdamW), applied shard by shard.
-Supported: SGD (with or without momentum / nesterov), Adam, AdamW; anything
-else is a UsageError before training.
+So each rule here reads every slot and the parameter ONCE, computes the new
+values as tensors, writes them, and never reads a written value back. The
+arithmetic is Keras 3.15's `optimizer.apply` on the TensorFlow backend,
+operation for operation, applied shard by shard:
+  1. gradients that are None are skipped (no decay, no update);
+  2. clipping (clipnorm / global_clipnorm / clipvalue) on the whole gradient
+     list, tfdist/train/clipping.py (the gradients are the full logical ones,
+     so the norms are global);
+  3. decoupled weight decay, var -= var * wd * lr, before the rule, for every
+     optimizer with `weight_decay` set, honouring exclude_from_weight_decay;
+  4. the rule of SGD (momentum, nesterov), Adam, AdamW, RMSprop (rho,
+     momentum, centered) or Adagrad, at lr = the schedule's value at the
+     current `iterations` (evaluated once: Keras evaluates it at the same step
+     for the decay and the rule);
+  5. the variable's constraint, if any; then iterations += 1.
+Anything else is a UsageError before training (check_supported).
 """
+
+from typing import Callable, Dict, Mapping
 
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.errors import UsageError
+from tfdist.train import clipping
 
-SUPPORTED = (keras.optimizers.AdamW, keras.optimizers.Adam, keras.optimizers.SGD)
+# Exact types: a subclass may override update_step, which these rules would ignore.
+SUPPORTED = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
+             keras.optimizers.RMSprop, keras.optimizers.Adagrad)
+SUPPORTED_TEXT = "SGD (momentum, nesterov), Adam, AdamW, RMSprop, Adagrad"
+# Options the rules do not reproduce: (attribute, its value when off).
+UNSUPPORTED_OPTIONS = (("amsgrad", False), ("use_ema", False),
+                       ("gradient_accumulation_steps", None), ("loss_scale_factor", None))
 
 
-def check_supported(optimizer) -> None:
+def check_supported(optimizer, variables=None) -> None:
+    """UsageError unless the rules below reproduce `optimizer.apply` exactly.
+
+    With the (sharded) trainable `variables`, also the checks that need them;
+    call it so before the step is traced: apply() repeats them, but an error
+    raised while autograph traces reaches the user as a StagingError with a
+    traceback.
+    """
+    name = type(optimizer).__name__
     if type(optimizer) not in SUPPORTED:
         raise UsageError(
-            f"--strategy=dtensor updates sharded variables with its own exact rules for "
-            f"SGD, momentum, Adam and AdamW; got {type(optimizer).__name__}.")
-    if getattr(optimizer, "amsgrad", False):
-        raise UsageError("--strategy=dtensor: Adam(amsgrad=True) is not supported.")
-    for option in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps",
-                   "loss_scale_factor"):
-        if getattr(optimizer, option, None):
-            raise UsageError(f"--strategy=dtensor: optimizer option {option} is not supported.")
-    if getattr(optimizer, "use_ema", False):
-        raise UsageError("--strategy=dtensor: optimizer option use_ema is not supported.")
-    # Private Keras attributes, no public getter (keras-team/keras#16274; Keras 3.15 base_optimizer.py): canary in tests/test_upstream_canaries.py
-    if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
-            optimizer, "_exclude_from_weight_decay_pattern", None):
-        raise UsageError("--strategy=dtensor: exclude_from_weight_decay is not supported.")
+            f"--strategy=dtensor updates sharded variables exactly with {SUPPORTED_TEXT}; "
+            f"got {name}. Keras' own optimizer.apply is not exact on sharded variables for "
+            f"stateful rules, so tfdist writes each rule out and refuses the others (and "
+            f"subclasses, whose update_step it cannot see). Use one of those, or a "
+            f"tf.distribute strategy (mirrored, multi_worker_mirrored), which runs any Keras "
+            f"optimizer.")
+    for option, off in UNSUPPORTED_OPTIONS:
+        value = getattr(optimizer, option, off)
+        if value not in (off, None, 0):
+            raise UsageError(
+                f"--strategy=dtensor updates sharded variables exactly with {SUPPORTED_TEXT} "
+                f"and the options weight_decay, exclude_from_weight_decay, learning-rate "
+                f"schedules, clipnorm, clipvalue and global_clipnorm; got {name}({option}="
+                f"{value!r}). Create the optimizer without {option}.")
+    if variables is not None:
+        _check_no_overwrite_with_gradient(variables)
+        _check_weight_decay_exclusions(optimizer, variables)
+
+
+def apply(optimizer, slots, grads, variables, layouts) -> None:
+    """One update of `variables` (Keras variables) by `grads`; then iterations += 1.
+
+    `slots` maps (parameter path, slot name) -> the optimizer's slot variable
+    (tfdist.parallel.dtensor.sharding.build_sharded_optimizer records them);
+    `layouts` are the variables' layouts (the gradients are brought to them).
+    """
+    check_supported(optimizer, variables)
+    present = [(g, v, l) for g, v, l in zip(grads, variables, layouts) if g is not None]
+    if not present:
+        raise UsageError(f"No gradients for any of the {len(variables)} trainable variables: "
+                         f"the loss does not depend on them.")
+    clipped = clipping.clip_like_keras([g for g, _, _ in present], optimizer)
+    learning_rate = optimizer.learning_rate  # a schedule is evaluated at `iterations` here
+    rule = RULES[type(optimizer)]
+    for grad, (_, variable, layout) in zip(clipped, present):
+        dtype = variable.dtype
+        grad, square = densify(grad, layout)
+        grad = tf.cast(grad, dtype)
+        square = tf.square(grad) if square is None else tf.cast(square, dtype)
+        lr = tf.cast(learning_rate, dtype)
+        current = variable.value.read_value()
+        if optimizer.weight_decay is not None and _decays(optimizer, variable):
+            current = current - current * tf.cast(optimizer.weight_decay, dtype) * lr
+        new = rule(optimizer, _Slots(slots, variable.path), grad, square, lr, current)
+        if variable.constraint is not None:
+            new = variable.constraint(new)
+        variable.assign(new)
+    optimizer.iterations.assign_add(1)
 
 
 def densify(grad, layout):
-    """(gradient, its elementwise square) as dense tensors with `layout`.
+    """(gradient, its elementwise square) as dense tensors with `layout`; square None if dense.
 
     Bug-compatible with Keras on purpose: for a tf.IndexedSlices gradient (an
     embedding lookup), Keras' `ops.square` squares each slice BEFORE slices of
     the same row are summed (keras.src.backend.tensorflow.sparse.
-    elementwise_unary), so Adam's second moment gets sum(g_i^2), not
-    (sum g_i)^2, for a token seen several times in a batch. The single-device
-    run does that, so we do too (measured: without it the transformer's Adam
-    losses drifted 5.7e-3 from default by step 20).
+    elementwise_unary), so Adam's and RMSprop's second moment and Adagrad's
+    accumulator get sum(g_i^2), not (sum g_i)^2, for a token seen several times
+    in a batch. The single-device run does that, so we do too (measured: without
+    it the transformer's Adam losses drifted 5.7e-3 from default by step 20).
+    Every other operation of the rules is linear in the gradient, where slices
+    and their dense sum agree.
     """
     if isinstance(grad, tf.IndexedSlices):
         square = tf.IndexedSlices(tf.square(grad.values), grad.indices, grad.dense_shape)
@@ -70,57 +133,120 @@ def densify(grad, layout):
     return dense, square
 
 
-def apply(optimizer, slots, grads, variables, layouts) -> None:
-    """One update of `variables` (Keras variables) by `grads`; then iterations += 1.
+class _Slots:
+    """One parameter's slots: read once (`read`), written once (`write`)."""
 
-    `slots` maps (parameter path, slot name) -> the optimizer's slot variable;
-    `layouts` are the variables' layouts (the gradients are brought to them).
+    def __init__(self, slots: Mapping, path: str):
+        self.slots, self.path = slots, path
+
+    def read(self, name: str) -> tf.Tensor:
+        return self.slots[(self.path, name)].value.read_value()
+
+    def write(self, name: str, value: tf.Tensor) -> None:
+        self.slots[(self.path, name)].assign(value)
+
+
+def _decays(optimizer, variable) -> bool:
+    """Keras' own decision (name pattern and var_list), on the storage it consults.
+
+    Private Keras API: `_use_weight_decay`, which the TF backend's optimizer
+    calls with the backing tf.Variable (here the DVariable); no public getter
+    for exclude_from_weight_decay exists (it came in keras-team/keras#16274
+    without one). Canary: tests/test_dtensor_optimizers.py::
+    test_keras_weight_decay_decision_canary.
     """
-    for grad, variable, layout in zip(grads, variables, layouts):
-        if grad is None:
-            continue
-        dtype = variable.dtype
-        lr = tf.cast(optimizer.learning_rate, dtype)
-        grad, square = densify(grad, layout)
-        grad = tf.cast(grad, dtype)
-        if isinstance(optimizer, (keras.optimizers.Adam, keras.optimizers.AdamW)):
-            square = tf.square(grad) if square is None else tf.cast(square, dtype)
-            _adam(optimizer, slots, grad, square, variable, lr)
-        else:
-            _sgd(optimizer, slots, grad, variable, lr)
-    optimizer.iterations.assign_add(1)
+    return optimizer._use_weight_decay(variable.value)
 
 
-def _sgd(optimizer, slots, grad, variable, lr) -> None:
-    if optimizer.momentum == 0:
-        variable.assign_sub(grad * lr)
+def _check_weight_decay_exclusions(optimizer, variables) -> None:
+    """exclude_from_weight_decay(var_list=...) keys variables by their storage's id.
+
+    Sharding replaces each variable's storage (sharding.give_dtensor_storage), so
+    a var_list given before the model was sharded names storage that no longer
+    trains: Keras would silently decay those variables. Refuse instead.
+    Private Keras API, as in _decays (canary in the same test).
+    """
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None) or set()
+    if optimizer.weight_decay is None or not excluded:
         return
-    slot = slots[(variable.path, "momentum")]
-    momentum = tf.cast(optimizer.momentum, variable.dtype)
-    m = slot.value.read_value() * momentum - grad * lr
-    slot.assign(m)
+    known = {optimizer._var_key(v) for v in variables}
+    stale = len(excluded - known)
+    if stale:
+        raise UsageError(
+            f"--strategy=dtensor: {stale} of the {len(excluded)} variables given to "
+            f"{type(optimizer).__name__}.exclude_from_weight_decay(var_list=...) are not "
+            f"among the sharded model's {len(variables)} trainable variables (sharding gives "
+            f"every variable new storage, so a var_list taken before the model was sharded "
+            f"no longer matches). Call exclude_from_weight_decay inside the optimizer "
+            f"builder, after sharding, or use var_names=[...] (matched by name).")
+
+
+def _check_no_overwrite_with_gradient(variables) -> None:
+    # Keras assigns such variables (float8 scales) their gradient instead of updating them.
+    overwritten = [v.path for v in variables if getattr(v, "overwrite_with_gradient", False)]
+    if overwritten:
+        raise UsageError(
+            f"--strategy=dtensor does not update variables with overwrite_with_gradient=True "
+            f"(float8 training); got {overwritten[:5]}. Train them with a tf.distribute "
+            f"strategy.")
+
+
+# ---- the rules: (optimizer, slots, grad, square, lr, current value) -> new value ----------
+
+def _sgd(optimizer, slots, grad, square, lr, current):
+    if optimizer.momentum == 0:  # Keras' test: `if self.momentum != 0` makes the slot
+        return current - grad * lr
+    momentum = tf.cast(optimizer.momentum, current.dtype)
+    m = slots.read("momentum") * momentum - grad * lr
+    slots.write("momentum", m)
     if optimizer.nesterov:
-        variable.assign_add(m * momentum - grad * lr)
-    else:
-        variable.assign_add(m)
+        return current + (m * momentum - grad * lr)
+    return current + m
 
 
-def _adam(optimizer, slots, grad, square, variable, lr) -> None:
-    dtype = variable.dtype
-    current = variable.value.read_value()
-    if isinstance(optimizer, keras.optimizers.AdamW) and optimizer.weight_decay:
-        # Keras applies decay (var -= var * wd * lr) before the Adam step.
-        current = current - current * tf.cast(optimizer.weight_decay, dtype) * lr
+def _adam(optimizer, slots, grad, square, lr, current):
+    dtype = current.dtype
     local_step = tf.cast(optimizer.iterations + 1, dtype)
     beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), local_step)
     beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), local_step)
-    m_slot = slots[(variable.path, "momentum")]
-    v_slot = slots[(variable.path, "velocity")]
     alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    m_old = m_slot.value.read_value()
-    v_old = v_slot.value.read_value()
+    m_old, v_old = slots.read("momentum"), slots.read("velocity")
     m = m_old + (grad - m_old) * (1 - optimizer.beta_1)
     v = v_old + (square - v_old) * (1 - optimizer.beta_2)
-    m_slot.assign(m)
-    v_slot.assign(v)
-    variable.assign(current - (m * alpha) / (tf.sqrt(v) + optimizer.epsilon))
+    slots.write("momentum", m)
+    slots.write("velocity", v)
+    return current - (m * alpha) / (tf.sqrt(v) + optimizer.epsilon)
+
+
+def _rmsprop(optimizer, slots, grad, square, lr, current):
+    rho = optimizer.rho
+    velocity = rho * slots.read("velocity") + (1 - rho) * square
+    slots.write("velocity", velocity)
+    if optimizer.centered:
+        average = rho * slots.read("average_gradient") + (1 - rho) * grad
+        slots.write("average_gradient", average)
+        denominator = velocity - tf.square(average) + optimizer.epsilon
+    else:
+        denominator = velocity + optimizer.epsilon
+    increment = (lr * grad) / tf.sqrt(denominator)
+    if optimizer.momentum > 0:  # Keras' test for making the momentum slot
+        momentum = optimizer.momentum * slots.read("momentum") + increment
+        slots.write("momentum", momentum)
+        return current - momentum
+    return current - increment
+
+
+def _adagrad(optimizer, slots, grad, square, lr, current):
+    accumulator = slots.read("accumulator") + square
+    slots.write("accumulator", accumulator)
+    return current - (lr * grad) / tf.sqrt(accumulator + optimizer.epsilon)
+
+
+Rule = Callable[..., tf.Tensor]
+RULES: Dict[type, Rule] = {
+    keras.optimizers.SGD: _sgd,
+    keras.optimizers.Adam: _adam,
+    keras.optimizers.AdamW: _adam,  # AdamW is Adam plus the generic decay above
+    keras.optimizers.RMSprop: _rmsprop,
+    keras.optimizers.Adagrad: _adagrad,
+}

@@ -95,8 +95,8 @@ def max_weight_error(ref, got) -> float:
 
 # ---- equivalence ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,optimizer", [("gemma", "sgd"), ("gemma", "adam"),
-                                            ("llama", "adam")])
+@pytest.mark.parametrize("kind,optimizer", [("gemma", "sgd"), ("gemma", "momentum"),
+                                            ("gemma", "adam"), ("llama", "adam")])
 def test_backbone_with_its_layout_map_matches_one_device(kind, optimizer):
     ref, ref_results, _ = reference(kind, optimizer)
     got, results, _ = sharded(kind, optimizer)

@@ -87,7 +87,6 @@ def _describe(axes: Mapping[str, int]) -> str:
 def _unused_key_message(key: str, paths: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, paths, n=SHOWN_PATHS, cutoff=0.3)
     shown = close or list(paths[:SHOWN_PATHS])
-    more = f" (of {len(paths)})" if len(paths) > len(shown) else ""
     if key.endswith("/output"):
         why = ("It looks like an activation layout (<layer path>/output): --strategy=dtensor "
                "lays out only variables and lets DTensor propagate activation layouts; ")
@@ -95,7 +94,7 @@ def _unused_key_message(key: str, paths: Sequence[str]) -> str:
         why = ("Keys are regexes matched against the WHOLE variable path (re.fullmatch, as "
                "keras.distribution.LayoutMap does); ")
     return (f"Layout map key {key!r} matches none of the model's {len(paths)} variables, "
-            f"e.g. {', '.join(repr(p) for p in shown)}{more}. {why}fix the key, or delete it "
+            f"e.g. {', '.join(repr(p) for p in shown)}. {why}fix the key, or delete it "
             f"(del layout_map[{key!r}]).")
 
 

@@ -18,6 +18,7 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("keras_hub")
 pytestmark = pytest.mark.dtensor
@@ -252,6 +253,26 @@ def test_malformed_maps_are_usage_errors(value, match):
         keras_layouts.from_keras(value)
 
 
+axis_values = st.one_of(st.none(), st.sampled_from(["batch", "model", "unsharded", "data", ""]),
+                        st.text(max_size=4), st.integers(), st.tuples(st.text(max_size=3)))
+layout_values = st.one_of(st.none(), st.text(max_size=6), st.integers(),
+                          st.lists(axis_values, max_size=3),
+                          st.lists(axis_values, max_size=3).map(tuple))
+
+
+@settings(max_examples=200, deadline=2000, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.one_of(st.text(max_size=8), st.integers(),
+                                 st.sampled_from(["dense/.*", "dense/kernel", "(", ".*"])),
+                       layout_values, max_size=4))
+def test_any_dict_converts_and_resolves_or_is_refused_in_one_paragraph(rules):
+    try:
+        keras_layouts.from_keras(rules).resolve(
+            [("dense/kernel", (8, 4)), ("dense/bias", (4,))], {"batch": 2, "model": 2})
+    except UsageError as error:
+        assert str(error) and len(str(error).splitlines()) == 1, str(error)
+
+
 # ---- presets: objects accepted, --layout strings unchanged ------------------------------
 
 def test_layout_map_for_accepts_map_objects_and_keeps_its_strings():
@@ -270,6 +291,36 @@ def test_layout_map_for_accepts_map_objects_and_keeps_its_strings():
     described = presets.describe(original)
     assert json.loads(json.dumps(described))["token_embedding/embeddings"] == ["model", "batch"]
     assert presets.describe("megatron") == "megatron"
+
+
+LAYOUT_FILE = """
+from keras_hub.models import GemmaBackbone
+from tfdist.parallel.dtensor import keras_layouts
+LAYOUT_MAP = {}
+"""
+
+
+@pytest.mark.parametrize("expression", [
+    'keras_layouts.from_backbone(GemmaBackbone, "batch=2,model=2")',
+    'GemmaBackbone.get_layout_map(keras_layouts.device_mesh("batch=2,model=2"))'])
+def test_layout_file_may_hold_a_keras_hub_map(tmp_path, expression):
+    """How the --layout flag reaches a keras-hub model's own map: a .py layout file."""
+    path = tmp_path / "gemma_layout.py"
+    path.write_text(LAYOUT_FILE.format(expression))
+    got = presets.layout_map_for(str(path), "ignored")
+    assert isinstance(got, keras_layouts.KerasLayoutMap)
+    assert got.to_dict() == keras_layouts.from_keras(keras_map("gemma")).to_dict()
+
+
+def test_layout_file_dicts_and_other_values_keep_their_meaning(tmp_path):
+    path = tmp_path / "layout.py"
+    path.write_text('LAYOUT_MAP = {"dense_0/kernel": ["unsharded", "model"]}')
+    got = presets.layout_map_for(str(path), "mlp")
+    assert type(got) is LayoutMap and got["dense_0/kernel"] == (UNSHARDED, "model")
+    path.write_text('LAYOUT_MAP = [1, 2]')
+    with pytest.raises(UsageError, match=r"must hold an object of regex -> list of axis "
+                                         r"names, got list"):
+        presets.layout_map_for(str(path), "mlp")
 
 
 def test_from_backbone_is_its_own_map_converted():

@@ -14,7 +14,9 @@ vocabulary [model, unsharded] (vocab-parallel) and lm_head along its output
 
 A user file maps regex -> list of axis names / "unsharded" (or null):
     {"dense_0/kernel": ["unsharded", "model"], "dense_0/bias": ["model"]}
-A .py file defines LAYOUT_MAP = {...} the same way.
+A .py file defines LAYOUT_MAP = {...} the same way, or LAYOUT_MAP = a map object
+(below), e.g. keras_layouts.from_backbone(GemmaBackbone, "batch=2,model=2"):
+how a keras-hub model's own layout map reaches the --layout flag.
 
 From Python, `layout` may also be a map object instead of a string: a tfdist
 LayoutMap, a keras.distribution.LayoutMap (e.g. a keras-hub backbone's
@@ -82,6 +84,8 @@ def load_file(path: str) -> LayoutMap:
         require("LAYOUT_MAP" in namespace,
                 f"Layout file {path!r} must define LAYOUT_MAP = {{regex: [axes...]}}.")
         rules = namespace["LAYOUT_MAP"]
+        if _is_map_object(rules):  # a dict keeps its --layout file meaning
+            return _from_object(rules)
     else:
         try:
             with open(path) as f:
@@ -92,6 +96,11 @@ def load_file(path: str) -> LayoutMap:
             f"Layout file {path!r} must hold an object of regex -> list of axis names, "
             f"got {type(rules).__name__}.")
     return LayoutMap(rules)
+
+
+def _is_map_object(value) -> bool:
+    from tfdist.parallel.dtensor import keras_layouts
+    return isinstance(value, LayoutMap) or keras_layouts.is_keras_layout_map(value)
 
 
 def _from_object(layout) -> LayoutMap:

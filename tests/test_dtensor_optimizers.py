@@ -37,15 +37,21 @@ SPECS = {  # path -> layout; unnamed paths replicated
 REPORT = os.environ.get("TFDIST_DTENSOR_REPORT")  # optional: append worst errors as JSON lines
 
 
-def build_model():
+def build_model(constrained: bool = False):
+    """With `constrained`, fc_out's kernel (sharded on its first axis) has a MaxNorm over
+    that axis, and head's bias is NonNeg: Keras applies constraints after the update."""
     import keras
     keras.utils.set_random_seed(11)
     tokens = keras.Input((SEQ,), dtype="int32")
     x = keras.layers.Embedding(VOCAB, 8, name="embed")(tokens)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(16, activation="tanh", name="fc_in")(x)
-    x = keras.layers.Dense(8, activation="tanh", name="fc_out")(x)
-    return keras.Model(tokens, keras.layers.Dense(CLASSES, name="head")(x))
+    x = keras.layers.Dense(8, activation="tanh", name="fc_out",
+                           kernel_constraint=keras.constraints.MaxNorm(0.9) if constrained
+                           else None)(x)
+    head = keras.layers.Dense(CLASSES, name="head",
+                              bias_constraint=keras.constraints.NonNeg() if constrained else None)
+    return keras.Model(tokens, head(x))
 
 
 def batches():
@@ -70,10 +76,10 @@ def loss_fn(model, x, y):
     return tf.reduce_sum(per_example) / BATCH
 
 
-def train_one_device(make_optimizer, initial) -> Run:
+def train_one_device(make_optimizer, initial, model_fn=build_model) -> Run:
     """Keras' own optimizer.apply, in a tf.function, on plain variables."""
     import tensorflow as tf
-    model = build_model()
+    model = model_fn()
     model.set_weights(initial)
     optimizer = make_optimizer(model)
 
@@ -94,9 +100,9 @@ def mesh():
     return mesh_lib.build_local_mesh([("batch", 2), ("model", 2)], devices.configure(4))
 
 
-def sharded_model(initial, the_mesh):
+def sharded_model(initial, the_mesh, model_fn=build_model):
     from tfdist.parallel.dtensor import sharding
-    model = build_model()
+    model = model_fn()
     model.set_weights(initial)
     specs = {v.path: SPECS.get(v.path, ["unsharded"] * len(v.shape)) for v in model.variables}
     return model, sharding.shard_model(model, specs, the_mesh)
@@ -127,12 +133,12 @@ def pack_batch(x, y, the_mesh):
             sharding.pack(y, dtensor.Layout.batch_sharded(the_mesh, "batch", 1)))
 
 
-def train_on_mesh(make_optimizer, initial) -> Run:
+def train_on_mesh(make_optimizer, initial, model_fn=build_model) -> Run:
     """update.apply on batch=2,model=2."""
     from tensorflow.experimental import dtensor
     from tfdist.parallel.dtensor import sharding
     the_mesh = mesh()
-    model, layouts = sharded_model(initial, the_mesh)
+    model, layouts = sharded_model(initial, the_mesh, model_fn)
     assert [s for _, s in sharding.shard_shapes(model.get_layer("fc_in").kernel)] == [(32, 8)] * 4
     optimizer, slots = sharding.build_sharded_optimizer(lambda: make_optimizer(model), model,
                                                         layouts, the_mesh)
@@ -203,6 +209,8 @@ def _configs():
         "adam_wd": lambda m: o.Adam(0.01, weight_decay=0.05),
         "adamw_cosine_warmup": lambda m: o.AdamW(cosine_with_warmup(), weight_decay=0.05),
         "adamw_exclude_from_weight_decay": exclude_bias_and_embedding,
+        "adam_amsgrad": lambda m: o.Adam(0.01, amsgrad=True),
+        "adamw_amsgrad_clipvalue": lambda m: o.AdamW(0.01, amsgrad=True, clipvalue=0.005),
         "rmsprop": lambda m: o.RMSprop(0.01),
         "rmsprop_momentum": lambda m: o.RMSprop(0.01, rho=0.8, momentum=0.5),
         "rmsprop_centered_momentum_wd": lambda m: o.RMSprop(
@@ -218,7 +226,8 @@ def _configs():
 
 
 CONFIGS = ["sgd", "sgd_nesterov_wd", "sgd_momentum_exponential_decay", "adam", "adam_wd",
-           "adamw_cosine_warmup", "adamw_exclude_from_weight_decay", "rmsprop",
+           "adamw_cosine_warmup", "adamw_exclude_from_weight_decay", "adam_amsgrad",
+           "adamw_amsgrad_clipvalue", "rmsprop",
            "rmsprop_momentum", "rmsprop_centered_momentum_wd", "rmsprop_centered", "adagrad",
            "adagrad_wd_cosine", "sgd_momentum_global_clipnorm", "adam_clipnorm",
            "adam_global_clipnorm", "rmsprop_clipvalue"]
@@ -236,6 +245,17 @@ def test_dtensor_update_matches_keras_on_one_device(config):
     got = train_on_mesh(make_optimizer, initial)
     compare(config, reference, got)
     assert reference.losses[-1] != reference.losses[0]  # it trained
+
+
+@pytest.mark.parametrize("config", ["sgd_nesterov_wd", "adam"])
+def test_constraints_are_applied_after_the_update_as_keras_does(config):
+    model_fn = lambda: build_model(constrained=True)
+    initial = model_fn().get_weights()
+    reference = train_one_device(_configs()[config], initial, model_fn)
+    unconstrained = train_one_device(_configs()[config], initial)
+    assert abs(reference.losses[-1] - unconstrained.losses[-1]) > 1e-4  # they bite
+    compare(f"{config}_constrained", reference,
+            train_on_mesh(_configs()[config], initial, model_fn))
 
 
 def test_configs_list_is_complete():
@@ -380,7 +400,7 @@ def test_loss_scale_optimizer_is_refused():
 
 
 @pytest.mark.parametrize("name,option,value", [
-    ("Adam", "amsgrad", True), ("AdamW", "amsgrad", True), ("SGD", "use_ema", True),
+    ("SGD", "use_ema", True), ("AdamW", "use_ema", True),
     ("RMSprop", "gradient_accumulation_steps", 2), ("Adagrad", "loss_scale_factor", 128.0),
 ])
 def test_unsupported_options_are_refused(name, option, value):

@@ -21,7 +21,7 @@ operation for operation, applied shard by shard:
      so the norms are global);
   3. decoupled weight decay, var -= var * wd * lr, before the rule, for every
      optimizer with `weight_decay` set, honouring exclude_from_weight_decay;
-  4. the rule of SGD (momentum, nesterov), Adam, AdamW, RMSprop (rho,
+  4. the rule of SGD (momentum, nesterov), Adam / AdamW (amsgrad too), RMSprop (rho,
      momentum, centered) or Adagrad, at lr = the schedule's value at the
      current `iterations` (evaluated once: Keras evaluates it at the same step
      for the decay and the rule);
@@ -43,7 +43,7 @@ SUPPORTED = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW
              keras.optimizers.RMSprop, keras.optimizers.Adagrad)
 SUPPORTED_TEXT = "SGD (momentum, nesterov), Adam, AdamW, RMSprop, Adagrad"
 # Options the rules do not reproduce: (attribute, its value when off).
-UNSUPPORTED_OPTIONS = (("amsgrad", False), ("use_ema", False),
+UNSUPPORTED_OPTIONS = (("use_ema", False),
                        ("gradient_accumulation_steps", None), ("loss_scale_factor", None))
 
 
@@ -215,6 +215,9 @@ def _adam(optimizer, slots, grad, square, lr, current):
     v = v_old + (square - v_old) * (1 - optimizer.beta_2)
     slots.write("momentum", m)
     slots.write("velocity", v)
+    if optimizer.amsgrad:  # the step divides by the running maximum of v instead
+        v = tf.maximum(slots.read("velocity_hat"), v)
+        slots.write("velocity_hat", v)
     return current - (m * alpha) / (tf.sqrt(v) + optimizer.epsilon)
 
 

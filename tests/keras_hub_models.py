@@ -55,3 +55,27 @@ def register() -> None:
         if name not in models.MODELS:
             models.MODELS.register(name, lambda info, config, kind=kind: build_lm(kind, info,
                                                                                  config))
+
+
+# Zero-argument builders, for `--model=MODULE:FUNCTION` (FUNCTION() returns an uncompiled
+# Keras model) and the public API: the `text` dataset's vocabulary, --seq_len=16, and
+# the tests' sizes.
+TEXT_VOCABULARY, TEXT_SEQ_LEN = 256, 16
+
+
+def _text_info():
+    import types
+    return types.SimpleNamespace(num_classes=TEXT_VOCABULARY, input_shape=(TEXT_SEQ_LEN,))
+
+
+def _tiny_config():
+    import types
+    return types.SimpleNamespace(num_layers=2, d_model=32, num_heads=2, d_ff=64)
+
+
+def gemma_lm() -> keras.Model:
+    return build_lm("gemma", _text_info(), _tiny_config())
+
+
+def llama_lm() -> keras.Model:
+    return build_lm("llama", _text_info(), _tiny_config())

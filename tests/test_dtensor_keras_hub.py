@@ -341,6 +341,19 @@ def test_checkpointed_run_accepts_a_map_layout(tmp_path):
                            model_dir=str(tmp_path / "run")))
 
 
+@pytest.mark.parametrize("kind", ["gemma", "llama"])
+def test_zero_argument_builders_are_the_tested_models(kind):
+    """keras_hub_models.gemma_lm / llama_lm (for --model=MODULE:FUNCTION) build what the
+    equivalence tests train."""
+    from tfdist import data, models
+    config = make_config(kind, "default", "sgd")
+    info = data.get_source(config.data).info
+    tested = models.build_model(info, config.model)
+    zero_argument = getattr(keras_hub_models, f"{kind}_lm")()
+    assert ([(v.path, tuple(v.shape)) for v in zero_argument.variables]
+            == [(v.path, tuple(v.shape)) for v in tested.variables])
+
+
 def test_device_mesh_has_tfdists_axes():
     mesh = keras_layouts.device_mesh(MESH)
     assert tuple(mesh.shape) == (2, 2) and list(mesh.axis_names) == ["batch", "model"]

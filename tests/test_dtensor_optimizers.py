@@ -360,6 +360,19 @@ def test_global_clipnorm_over_stages_equals_one_optimizer_over_all():
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=0)
 
 
+def test_unclipped_copy_keeps_everything_but_clipping():
+    import keras
+    from tfdist.train import clipping
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, 10)
+    original = keras.optimizers.AdamW(schedule, weight_decay=0.02, global_clipnorm=0.7)
+    copy = clipping.unclipped_copy(original)
+    assert type(copy) is keras.optimizers.AdamW and copy is not original
+    assert (copy.clipnorm, copy.clipvalue, copy.global_clipnorm) == (None, None, None)
+    assert original.global_clipnorm == 0.7
+    expected = {**original.get_config(), "global_clipnorm": None, "name": copy.name}
+    assert copy.get_config() == expected
+
+
 # ---- refusals: UsageError before training, naming what is supported ---------------------
 
 SUPPORTED_LIST = "SGD (momentum, nesterov), Adam, AdamW, RMSprop, Adagrad"

@@ -5,7 +5,8 @@ optimizer sees. A pipeline stage's optimizer sees only its stage's gradients,
 so its `global_clipnorm` would take the norm of one stage; and --strategy=dtensor
 updates variables with its own rules (tfdist/parallel/dtensor/update.py). Both
 call `clip_like_keras` on the whole model's gradient list instead, then update
-with the optimizer's own clipping switched off (`clipping_disabled`).
+with optimizers whose own clipping is off (`unclipped_copy` to build them,
+or `clipping_disabled` around the trace).
 
 Exact, not approximate: the same operations as Keras 3.15's
 `BaseOptimizer._clip_gradients` on the TensorFlow backend, including how each
@@ -64,6 +65,18 @@ def clip_by_global_norm(grads: Iterable, clip_norm: float) -> List[Optional[tf.T
     # Adding (norm - norm) is Keras' way to make a non-finite norm poison the scale.
     scale = scale + (norm - norm)
     return [None if g is None else g * scale for g in grads]
+
+
+def unclipped_copy(optimizer):
+    """A new optimizer of the same class and config, its clipping options None.
+
+    For the pipeline's stage optimizers (each built from the user's config):
+    they then apply gradients that clip_like_keras has already clipped on the
+    global gradient, whenever their step is traced.
+    """
+    config = optimizer.get_config()
+    config.update({name: None for name in CLIP_OPTIONS})
+    return type(optimizer).from_config(config)
 
 
 @contextlib.contextmanager

@@ -43,15 +43,16 @@ REPORT = os.environ.get("TFDIST_DTENSOR_REPORT")  # optional: append max errors 
 LLAMA_QKV = "transformer_layer.*self_attention.*(query|key|value).kernel"
 
 
-def make_config(kind: str, strategy: str, optimizer: str, layout="data", **overrides):
+def make_config(kind: str, strategy: str, optimizer: str, layout="data", mesh=MESH,
+                num_heads=2, **overrides):
     model = ModelConfig(name=keras_hub_models.REGISTERED[kind], num_layers=2, d_model=32,
-                        num_heads=2, d_ff=64)
+                        num_heads=num_heads, d_ff=64)
     fields = dict(strategy=strategy, simulate_devices=4, model=model,
                   data=DataConfig(name="text", seq_len=16), optimizer=optimizer,
                   global_batch_size=GLOBAL_BATCH, train_steps=STEPS, seed=SEED,
                   log_every=STEPS)
     if strategy == "dtensor":
-        fields.update(mesh=MESH, layout=layout)
+        fields.update(mesh=mesh, layout=layout)
     fields.update(overrides)
     return RunConfig(**fields)
 
@@ -108,6 +109,22 @@ def test_backbone_with_its_layout_map_matches_one_device(kind, optimizer):
     assert len(got.losses) == STEPS and got.losses[-1] < got.losses[0]
     assert results["num_replicas"] == 2
     assert results["eval_loss"] == pytest.approx(ref_results["eval_loss"], rel=1e-5)
+
+
+def test_gemma_on_a_pure_tensor_parallel_mesh_matches_one_device():
+    """batch=1,model=4: the map's `model` dimensions split 4 ways (4 heads, vocabulary
+    256, FFN 32), its `batch` dimensions whole."""
+    mesh = "batch=1,model=4"
+    layout = keras_layouts.from_backbone(keras_hub_models.backbone_class("gemma"), mesh)
+    ref = train(make_config("gemma", "default", "adam", num_heads=4), "default")[0]
+    got, _, model = train(make_config("gemma", "dtensor", "adam", layout, mesh=mesh,
+                                      num_heads=4), f"dtensor {mesh} gemma")
+    report(model="keras_hub_gemma", optimizer="adam", mesh=mesh,
+           max_rel_loss_error=equivalence.max_relative_loss_error(ref, got),
+           max_rel_weight_error=max_weight_error(ref, got))
+    equivalence.assert_equivalent(ref, got)
+    assert specs_by_path(model)["decoder_block_0/attention/query/kernel"] == (
+        "model", "batch", UNSHARDED)
 
 
 def specs_by_path(model):

@@ -102,30 +102,3 @@ def test_tf_still_takes_aligned_numpy_function_outputs_without_a_copy_or_a_write
     assert adopted.numpy()[0] == 7.0
 
 
-def test_keras_optimizer_keeps_weight_decay_exclusions_where_dtensor_looks():
-    """tfdist.parallel.dtensor.update.check_supported refuses exclude_from_weight_decay
-    (its AdamW rule decays every variable) by reading the private attributes Keras'
-    `exclude_from_weight_decay` sets: `_exclude_from_weight_decay` (var_list) and
-    `_exclude_from_weight_decay_pattern` (var_names); no public getter exists
-    (keras-team/keras#16274; keras/src/optimizers/base_optimizer.py in Keras 3.15).
-    If Keras renames or drops them, the refusal would silently stop and DTensor would
-    decay the excluded variables: this fails first."""
-    import keras
-    import pytest
-    from tfdist.errors import UsageError
-    from tfdist.parallel.dtensor import update
-    fresh = keras.optimizers.AdamW(weight_decay=0.1)
-    update.check_supported(fresh)  # nothing excluded: accepted
-    by_name = keras.optimizers.AdamW(weight_decay=0.1)
-    by_name.exclude_from_weight_decay(var_names=["bias"])
-    assert by_name._exclude_from_weight_decay_pattern is not None
-    by_variable = keras.optimizers.AdamW(weight_decay=0.1)
-    by_variable.exclude_from_weight_decay(var_list=[keras.Variable([1.0], name="bias")])
-    assert by_variable._exclude_from_weight_decay
-    for optimizer in (by_name, by_variable):
-        with pytest.raises(UsageError, match="exclude_from_weight_decay is not supported"):
-            update.check_supported(optimizer)
-    # ... and they are still what Keras' own update consults.
-    source = inspect.getsource(keras.optimizers.AdamW._use_weight_decay)
-    assert "_exclude_from_weight_decay" in source
-    assert "_exclude_from_weight_decay_pattern" in source

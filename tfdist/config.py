@@ -13,7 +13,12 @@ from typing import Optional, Tuple
 
 from tfdist.errors import UsageError, require
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")   # the planner's, with fixed slot counts
+# --optimizer: tfdist's "momentum" (SGD with 0.9) and every Keras 3.15 optimizer by its
+# identifier (keras.optimizers.get); kept as names so validation needs no Keras import.
+KERAS_OPTIMIZERS = ("adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "ftrl",
+                    "lamb", "lion", "muon", "nadam", "rmsprop", "sgd")
+TRAINING_OPTIMIZERS = tuple(sorted(set(KERAS_OPTIMIZERS) | {"momentum"}))
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 COLLECTIVES = ("auto", "ring", "nccl", "tcp", "shm")
@@ -70,8 +75,11 @@ class ModelConfig:
     d_ff: int = 256
 
     def __post_init__(self):
-        from tfdist import models
-        models.MODELS.validate(self.name)
+        from tfdist import models, user_code
+        if user_code.is_user_code_spec(self.name):   # --model=MODULE:FUNCTION, loaded at run time
+            user_code.split_spec(self.name, "--model")
+        else:
+            models.MODELS.validate(self.name)
         for size in self.hidden_sizes + self.filters:
             _positive("hidden_sizes/filters", size)
         for name in ("num_layers", "d_model", "num_heads", "d_ff"):
@@ -104,6 +112,10 @@ class RunConfig:
     epochs: int = 0                   # 0 with train_steps 0: DEFAULT_EPOCHS
     learning_rate: Optional[float] = None   # None: DEFAULT_LEARNING_RATES[optimizer]
     optimizer: str = "adam"
+    loss: Optional[str] = None        # a Keras loss identifier; None: the registry's (logits)
+    metrics: Optional[Tuple[str, ...]] = None   # Keras metric identifiers; None: registry's
+    save_model: Optional[str] = None  # PATH.keras of the trained model (the chief writes it)
+    export_dir: Optional[str] = None  # a SavedModel of it for serving (the chief writes it)
     seed: int = 0
     model_dir: Optional[str] = None
     checkpoint_every: int = 0         # steps; 0: only at the end and on SIGTERM (needs model_dir)
@@ -119,7 +131,7 @@ class RunConfig:
     def __post_init__(self):
         from tfdist import parallel
         parallel.MODES.validate(self.strategy)
-        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("optimizer", self.optimizer, TRAINING_OPTIMIZERS)
         _one_of("cross_device_ops", self.cross_device_ops, CROSS_DEVICE_OPS)
         _one_of("trainer", self.trainer, TRAINERS)
         if self.mixed_precision is not None:
@@ -140,7 +152,8 @@ class RunConfig:
         require(not (self.train_steps and self.epochs),
                 f"Give --train_steps ({self.train_steps}) or --epochs ({self.epochs}), not both.")
         if self.learning_rate is None:
-            object.__setattr__(self, "learning_rate", DEFAULT_LEARNING_RATES[self.optimizer])
+            object.__setattr__(self, "learning_rate",
+                               DEFAULT_LEARNING_RATES.get(self.optimizer, KERAS_DEFAULT_RATE))
         require(self.learning_rate > 0, f"--learning_rate must be > 0, got {self.learning_rate}.")
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
@@ -151,6 +164,13 @@ class RunConfig:
             check_writable_dir(self.model_dir, "--model_dir")
         if self.results_json:
             check_writable_dir(os.path.dirname(os.path.abspath(self.results_json)), "--results_json")
+        if self.save_model:
+            require(self.save_model.endswith(".keras"),
+                    f"--save_model writes a Keras v3 file, whose name ends in .keras; got "
+                    f"{self.save_model!r}.")
+            check_writable_dir(os.path.dirname(os.path.abspath(self.save_model)), "--save_model")
+        if self.export_dir:
+            check_writable_dir(os.path.dirname(os.path.abspath(self.export_dir)), "--export_dir")
 
     def _validate_profile_steps(self):
         if self.profile_steps is None:
@@ -163,6 +183,7 @@ class RunConfig:
 
 DEFAULT_EPOCHS = 20
 DEFAULT_LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3}
+KERAS_DEFAULT_RATE = 1e-3   # the other Keras optimizers: Keras' own default for most
 
 
 def check_writable_dir(path: str, flag: str) -> None:

@@ -11,7 +11,7 @@ import collections
 import contextlib
 import shutil
 import tempfile
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List  # noqa: F401
 
 from tfdist.errors import require
 
@@ -33,18 +33,31 @@ class Parallelism(abc.ABC):
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()
 
-    def build_model_and_optimizer(self, model_fn: Callable, optimizer_fn: Callable):
-        """Builds (model, optimizer) where this mode keeps them; slots exist on return.
+    def adopt(self, model):
+        """(model the steps train, optimizer) for a user's compiled Keras model.
 
-        The returned model's get_weights() must give the full weights in the order
+        Here (the tf.distribute modes) that is the model itself, whose variables must
+        have been created in scope(); modes that place or shard variables override
+        this. The returned model's get_weights() gives the full weights in the order
         a single-device build would (the equivalence harness compares them).
-        Modes that place or shard variables themselves override this.
         """
+        require_compiled(model)
         with self.scope():
-            model = model_fn()
-            optimizer = optimizer_fn()
-            optimizer.build(model.trainable_variables)
-        return model, optimizer
+            if not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+        return model, model.optimizer
+
+    def replica_models(self, model) -> dict:
+        """label -> each copy of the trained model in this process."""
+        return {"model": model}
+
+    def sync_hyperparameters(self, optimizer) -> None:
+        """Makes the optimizers the steps use follow `optimizer`'s learning rate (set by a
+        LearningRateScheduler or ReduceLROnPlateau); a no-op where they are the same."""
+
+    def sync_to_user_model(self, model, trained_model) -> None:
+        """Makes the user's model hold the trained weights (a no-op where they are the
+        same model; the pipeline trains copies)."""
 
     @abc.abstractmethod
     def distribute(self, dataset_fn: Callable) -> Iterable:
@@ -66,6 +79,20 @@ class Parallelism(abc.ABC):
     def checkpoint_objects(self, model, optimizer) -> Dict:
         """The trackable objects whose state a checkpoint must hold."""
         return {"model": model, "optimizer": optimizer}
+
+    # True where each process's step outputs cover only its own examples (several
+    # data-parallel workers): metric states are then summed over the workers.
+    workers_hold_own_outputs = False
+
+    def sum_over_workers(self, value):
+        """Element-wise sum of a float32 array over the job's processes, each counted once."""
+        return value
+
+    def make_predict_step(self, user_model, model):
+        """fn(x batch) -> y_pred as plain tensors on this process, from the trained
+        `model` (or, where the mode trains copies, the synced `user_model`)."""
+        import tensorflow as tf
+        return tf.function(lambda x: model(x, training=False))
 
     def any_process(self, flag: bool) -> bool:
         """True if `flag` is true in any process of the job (one process: itself)."""
@@ -99,6 +126,14 @@ class Parallelism(abc.ABC):
         for scratch in self._scratch_dirs:
             shutil.rmtree(scratch, ignore_errors=True)
         self._scratch_dirs = ()
+
+
+def require_compiled(model) -> None:
+    require(getattr(model, "compiled", False) and model.optimizer is not None
+            and model.loss is not None,
+            f"Model '{getattr(model, 'name', model)}' is not compiled with an optimizer and a "
+            f"loss. Call model.compile(optimizer=..., loss=..., metrics=[...]) before training "
+            f"(inside strategy.scope() for the tf.distribute modes).")
 
 
 def add_bytes(totals: collections.Counter, device: str, tensor_like) -> None:

@@ -170,30 +170,36 @@ class MultiWorkerParallelism(StrategyParallelism):
                     raise
         return guarded
 
-    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                        on_outputs=None):
         return self._guarded(self._make_unguarded_train_step(
-            model, optimizer, global_batch_size, jit_compile), "a training step")
+            model, optimizer, global_batch_size, jit_compile, on_outputs), "a training step")
 
-    def make_eval_step(self, model):
-        return self._guarded(super().make_eval_step(model), "an eval step")
+    def make_eval_step(self, model, on_outputs=None):
+        return self._guarded(super().make_eval_step(model, on_outputs), "an eval step")
 
-    def _make_unguarded_train_step(self, model, optimizer, global_batch_size, jit_compile):
+    def _make_unguarded_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                                   on_outputs):
         if self.reducer is None:
-            return super().make_train_step(model, optimizer, global_batch_size, jit_compile)
+            return super().make_train_step(model, optimizer, global_batch_size, jit_compile,
+                                           on_outputs)
         # Shared memory is mapped while the step is traced (when the summed buffer's
         # shapes, sparse gradients' included, are known), before anything runs.
         on_trace = (self._map_shared_memory
                     if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce) else None)
-        replica_step = ring_replica_step(self.reducer, model, optimizer, global_batch_size,
-                                         jit_compile, self.tf_config.rank,
-                                         self.tf_config.num_workers, on_trace)
+        replica_step = ring_replica_step(self.reducer, model, optimizer, jit_compile,
+                                         self.tf_config.rank, self.tf_config.num_workers,
+                                         on_trace)
         strategy = self.strategy
 
         @tf.function
         def train_step(iterator):
-            x, y = next(iterator)
             # The ring summed the loss too: every worker holds the global value.
-            return strategy.experimental_local_results(strategy.run(replica_step, args=(x, y)))[0]
+            loss, outputs = strategy.experimental_local_results(
+                strategy.run(replica_step, args=(next(iterator),)))[0]
+            if on_outputs is not None:
+                on_outputs(outputs)
+            return loss
 
         return train_step
 
@@ -220,6 +226,34 @@ class MultiWorkerParallelism(StrategyParallelism):
         all-reduce there cost 9% of the throughput benchmark's rate."""
         with self.watchdog.guard("an agreement between the workers"):
             return self._sum_unguarded(value)
+
+    @property
+    def workers_hold_own_outputs(self) -> bool:
+        return self.tf_config.num_workers > 1
+
+    def sum_over_workers(self, value) -> np.ndarray:
+        """sum_over_replicas with each worker counted once, whatever its local replicas:
+        only its first local replica contributes (exact, no division)."""
+        with self.watchdog.guard("an agreement between the workers"):
+            if self.ring is not None or self.num_replicas == self.tf_config.num_workers:
+                return self._sum_unguarded(value)
+            return self._first_replicas_sum(np.asarray(value, np.float32))
+
+    def _first_replicas_sum(self, value) -> np.ndarray:
+        if getattr(self, "_first_sum_fn", None) is None:
+            strategy = self.strategy
+
+            @tf.function
+            def total(value):
+                def mine():
+                    context = tf.distribute.get_replica_context()
+                    first = tf.equal(context.replica_id_in_sync_group % (
+                        strategy.num_replicas_in_sync // self.tf_config.num_workers), 0)
+                    return tf.where(first, value, tf.zeros_like(value))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(mine), axis=None)
+
+            self._first_sum_fn = total
+        return self._first_sum_fn(tf.constant(value, tf.float32)).numpy()
 
     def _sum_unguarded(self, value) -> np.ndarray:
         if self.ring is not None:
@@ -350,8 +384,8 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float,
     return ring
 
 
-def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_compile: bool,
-                      rank: int, num_workers: int, on_trace=None):
+def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
+                      num_workers: int, on_trace=None):
     """The replica step with gradients and loss summed in one buffer by `reducer`
     (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays).
 
@@ -366,8 +400,7 @@ def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_com
     `on_trace(shapes)`, if given, is called in Python while the step is traced, with
     the shapes of the arrays every step will sum.
     """
-    loss_and_grads = step_math.make_loss_and_grads(model, optimizer, global_batch_size,
-                                                   jit_compile)
+    loss_and_grads = step_math.make_loss_and_grads(model, optimizer, jit_compile)
     variables = model.trainable_variables
 
     def sum_keeping_the_loss(*arrays):
@@ -376,8 +409,9 @@ def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_com
         summed = reducer.all_reduce_arrays(*arrays)
         return summed[:-1] + [np.array(summed[-1], copy=True)]
 
-    def replica_step(x, y):
-        loss, grads = loss_and_grads(x, y)
+    def replica_step(batch):
+        x, y, w = step_math.split_batch(batch)
+        loss, grads, y_pred = loss_and_grads(x, y, w)
         packed = [SparseBlocks(g, v, rank, num_workers) if isinstance(g, tf.IndexedSlices)
                   else g for g, v in zip(grads, variables)]
         tensors = [t for g in packed for t in (g.tensors if isinstance(g, SparseBlocks) else [g])]
@@ -389,7 +423,7 @@ def ring_replica_step(reducer, model, optimizer, global_batch_size: int, jit_com
         summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
         with keras_fixes.gradients_already_summed(optimizer):
             optimizer.apply(unpack_gradients(packed, summed[:-1]), variables)
-        return summed[-1]
+        return summed[-1], step_math.outputs_of(y, y_pred, w)
 
     return replica_step
 

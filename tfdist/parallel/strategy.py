@@ -32,32 +32,45 @@ class StrategyParallelism(Parallelism):
     def scope(self):
         return self.strategy.scope()
 
+    def adopt(self, model):
+        """The user's model itself; its variables must come from scope() (Keras'
+        own rule for tf.distribute: build and compile the model inside the scope)."""
+        outside = [v.path for v in model.variables
+                   if not self.strategy.extended.variable_created_in_scope(v.value)]
+        require(not outside,
+                f"Model '{model.name}' was built outside the scope of strategy '{self.name}' "
+                f"({len(outside)} variable(s), e.g. {outside[0] if outside else ''}), so its "
+                f"variables are not replicated. Build and compile it inside the scope: "
+                f"`with strategy.scope(): model = ...; model.compile(...)`.")
+        return super().adopt(model)
+
     def distribute(self, dataset_fn):
         return self.strategy.distribute_datasets_from_function(dataset_fn)
 
-    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                        on_outputs=None):
         if jit_compile and self.num_replicas > 1:
             _refuse_synchronized_norms_under_xla(model, self.num_replicas)
-        replica_step = step_math.make_replica_train_step(
-            model, optimizer, global_batch_size, jit_compile)
+        del global_batch_size  # the replicas' equal batches make Keras' loss scaling exact
+        replica_step = step_math.make_replica_train_step(model, optimizer, jit_compile)
+        return self._summing_step(replica_step, on_outputs)
+
+    def make_eval_step(self, model, on_outputs=None):
+        return self._summing_step(step_math.replica_eval_step(model), on_outputs)
+
+    def _summing_step(self, replica_step, on_outputs):
+        """step(iterator) -> the replicas' summed loss; on_outputs (the metrics' update)
+        gets this process's (y, y_pred, w), its replicas' batches concatenated."""
+        strategy = self.strategy
 
         @tf.function
-        def train_step(iterator):
-            x, y = next(iterator)
-            losses = self.strategy.run(replica_step, args=(x, y))
-            return self.strategy.reduce(SUM, losses, axis=None)
+        def step(iterator):
+            losses, outputs = strategy.run(replica_step, args=(next(iterator),))
+            if on_outputs is not None:
+                on_outputs(local_concat(strategy, outputs))
+            return strategy.reduce(SUM, losses, axis=None)
 
-        return train_step
-
-    def make_eval_step(self, model):
-        replica_step = step_math.replica_eval_step(model)
-
-        @tf.function
-        def eval_step(iterator):
-            sums = self.strategy.run(replica_step, args=next(iterator))
-            return tuple(self.strategy.reduce(SUM, s, axis=None) for s in sums)
-
-        return eval_step
+        return step
 
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         totals = collections.Counter()
@@ -67,6 +80,14 @@ class StrategyParallelism(Parallelism):
             for component in components:
                 add_bytes(totals, component.device, component)
         return dict(totals)
+
+
+def local_concat(strategy, per_replica):
+    """This process's replicas' values of a structure, concatenated along the batch."""
+    def concat(value):
+        parts = strategy.experimental_local_results(value)
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    return tf.nest.map_structure(concat, per_replica)
 
 
 def _refuse_synchronized_norms_under_xla(model, num_replicas: int) -> None:

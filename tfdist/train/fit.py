@@ -17,7 +17,7 @@ import keras
 
 from tfdist.data import pipeline
 from tfdist.train import checkpoint, keras_fixes
-from tfdist.train.loop import LoopResult, evaluate
+from tfdist.train.loop import LoopResult, TrainingLoop
 
 
 class StepLosses(keras.callbacks.Callback):
@@ -69,10 +69,8 @@ class GuardBatches(keras.callbacks.Callback):
 def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
     start = time.perf_counter()
     keras_fixes.repair_fit_for_collective_strategies(model)
-    with parallel.scope():
-        model.compile(optimizer=optimizer,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=config.jit_compile)
+    with parallel.scope():   # the model's own loss and metrics, and --jit_compile
+        model.compile(optimizer=optimizer, loss=model.loss, jit_compile=config.jit_compile)
     callbacks, start_step = backup_callbacks(config, parallel)
     dataset_fn = pipeline.train_dataset_fn(
         source, config.global_batch_size, config.seed, config.data, start_step)
@@ -84,9 +82,11 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
         guard.end()   # a batch that raised never reached on_train_batch_end: disarm anyway
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
     rate = max(len(recorder.losses) - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
-    eval_loss, eval_accuracy = evaluate(parallel, parallel.make_eval_step(model), source, config)
-    return LoopResult(recorder.losses, eval_loss, eval_accuracy, rate,
-                      time.perf_counter() - start, start_step)
+    from tfdist.train import runner
+    logs = TrainingLoop(config, parallel, model, model, optimizer, None).evaluate(
+        runner.eval_data(config, source))
+    return LoopResult(recorder.losses, logs["loss"], logs.get("accuracy"), rate,
+                      time.perf_counter() - start, start_step, eval_metrics=logs)
 
 
 def backup_callbacks(config, parallel):

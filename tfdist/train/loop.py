@@ -1,21 +1,25 @@
-"""The tfdist training loop: one loop for every Parallelism.
+"""The tfdist training loop: one loop for every Parallelism, driven like Keras' fit.
 
-Begin / step / end, in the manner of Orbit's controller: the loop owns the step
-counter, progress, periodic eval, TensorBoard scalars and the profiler window;
-the Parallelism owns how a step runs on its devices.
+Begin / step / end, in the manner of Orbit's controller, with Keras' own
+CallbackList and History: the loop owns the step counter, epochs, the model's
+compiled metrics (tfdist.train.metrics), validation, progress, checkpoints,
+preemption, TensorBoard scalars and the profiler window; the Parallelism owns
+how a step runs on its devices. Every user callback sees the Keras logs (loss,
+metrics, val_*), and the same values in every mode and on every worker.
 """
 
 import contextlib
 import dataclasses
 import os
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
+import keras
 import tensorflow as tf
 
-from tfdist.data import pipeline
 from tfdist.errors import Preempted
 from tfdist.train import checkpoint, preemption
+from tfdist.train.metrics import HostMetrics
 from tfdist.train.progress import Progress
 
 
@@ -27,20 +31,50 @@ class LoopResult:
     examples_per_sec: float
     train_seconds: float
     start_step: int = 0           # > 0 when the run resumed from a checkpoint
+    history: Optional[keras.callbacks.History] = None
+    train_metrics: dict = dataclasses.field(default_factory=dict)
+    eval_metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class EvalData:
+    """Every example of a split once: `steps` global batches, the last one padded
+    with weight-0 examples (tfdist.data.pipeline.eval_dataset_fn)."""
+    dataset_fn: Callable
+    steps: int
+    size: int                           # real examples (the rest of the last batch is padding)
+
+
+@dataclasses.dataclass
+class TrainPlan:
+    """What fit was asked for, in global steps."""
+    train_dataset_fn: Callable          # start_step -> dataset_fn(input_context)
+    steps_per_epoch: int
+    epochs: int
+    total_steps: int                    # epochs * steps_per_epoch, or fewer (--train_steps)
+    validation: Optional[EvalData] = None
+    validation_freq: int = 1            # validate after every N-th epoch (and the last)
+    callbacks: tuple = ()
+    verbose: int = 0                    # Keras' progress bar (1) or epoch lines (2)
+    progress: bool = False              # tfdist's own step log lines (the registry runs)
 
 
 class TrainingLoop:
-    def __init__(self, config, parallel, source, model, optimizer, log_dir: Optional[str]):
+    def __init__(self, config, parallel, user_model, model, optimizer, log_dir: Optional[str]):
         self.config = config
         self.parallel = parallel
-        self.source = source
-        self.model = model
+        self.user_model = user_model     # what callbacks see, and what the user saves
+        self.model = model               # what the steps train (the pipeline's copy, say)
         self.optimizer = optimizer
         self.log_dir = log_dir
+        self.metrics = HostMetrics(user_model, parallel)
         self.train_step = parallel.make_train_step(
-            model, optimizer, config.global_batch_size, config.jit_compile)
-        self.eval_step = parallel.make_eval_step(model)
+            model, optimizer, config.global_batch_size, config.jit_compile,
+            on_outputs=self.metrics.updater())
+        self.eval_step = parallel.make_eval_step(
+            model, on_outputs=self.metrics.updater(drop_zero_weights=True))
         self.writers = self._make_writers()
+        self.eval_seconds = 0.0
 
     def _make_writers(self):
         if not self.log_dir:
@@ -55,9 +89,6 @@ class TrainingLoop:
         with writer.as_default(step=step):
             for name, value in values.items():
                 tf.summary.scalar(name, value)
-
-    def evaluate(self):
-        return evaluate(self.parallel, self.eval_step, self.source, self.config)
 
     def _profile(self, step: int, edge: int) -> bool:
         """True when step is the profiler window's start (edge 0) or stop (edge 1)."""
@@ -78,67 +109,148 @@ class TrainingLoop:
         every = self.config.checkpoint_every
         return step == total_steps or bool(every and step % every == 0)
 
-    def run(self, total_steps: int) -> LoopResult:
-        """Trains to `total_steps`, resuming from --model_dir's newest good checkpoint."""
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, data: EvalData, callbacks=None):
+        """(mean loss over the split's examples, metric logs): every example once."""
+        iterator = iter(self.parallel.distribute(data.dataset_fn))
+        self.metrics.reset()
+        total = 0.0
+        for batch in range(data.steps):
+            if callbacks is not None:
+                callbacks.on_test_batch_begin(batch)
+            loss = float(self.eval_step(iterator))
+            total += loss
+            if callbacks is not None:
+                callbacks.on_test_batch_end(batch, {"loss": total / (batch + 1)})
+        # Each step's loss is its padded global batch's mean; padding weighs 0.
+        logs = {"loss": total * self.config.global_batch_size / max(data.size, 1)}
+        logs.update({k: v for k, v in self.metrics.logs().items() if k != "loss"})
+        return logs
+
+    # ------------------------------------------------------------------ training
+
+    def run(self, plan: TrainPlan) -> LoopResult:
+        """Trains to plan.total_steps, resuming from --model_dir's newest good checkpoint."""
         checkpointer = self._make_checkpointer()
         start_step = checkpointer.restore() if checkpointer else 0
         watcher = preemption.PreemptionWatcher() if checkpointer else contextlib.nullcontext()
         with watcher:
-            return self._train(total_steps, start_step, checkpointer, watcher)
+            return self._train(plan, start_step, checkpointer, watcher)
 
-    def _train(self, total_steps, start_step, checkpointer, watcher) -> LoopResult:
+    def _callback_list(self, plan: TrainPlan, history):
+        return keras.callbacks.CallbackList(
+            list(plan.callbacks) + [history], add_history=False,
+            add_progbar=bool(plan.verbose) and self.parallel.is_chief,
+            model=self.user_model, verbose=plan.verbose, epochs=plan.epochs,
+            steps=plan.steps_per_epoch)
+
+    def _train(self, plan: TrainPlan, start_step, checkpointer, watcher) -> LoopResult:
         config = self.config
-        dataset_fn = pipeline.train_dataset_fn(
-            self.source, config.global_batch_size, config.seed, config.data, start_step)
-        iterator = iter(self.parallel.distribute(dataset_fn))
-        progress = Progress(total_steps, config.global_batch_size, config.log_every,
-                            enabled=self.parallel.is_chief)
-        losses, eval_result = [], (None, None)
-        first_step_done = start = time.perf_counter()
-        for step in range(start_step + 1, total_steps + 1):
-            if self._profile(step, 0):
-                tf.profiler.experimental.start(os.path.join(self.log_dir, "profile"))
-            loss = float(self.train_step(iterator))
-            if self._profile(step, 1):
-                tf.profiler.experimental.stop()
-            if step == start_step + 1:
-                first_step_done = time.perf_counter()  # excludes tracing from throughput
-            losses.append(loss)
-            progress.update(step, loss)
-            if step % config.log_every == 0:
-                self._scalars("train", step, loss=loss)
-            if checkpointer and self._due(step, total_steps):
-                checkpointer.save(step)
-            if checkpointer and self.parallel.any_process(watcher.requested):
-                if not self._due(step, total_steps):
-                    checkpointer.save(step)
-                raise Preempted(step, config.model_dir)
-            if config.eval_every and step % config.eval_every == 0 and step != total_steps:
-                eval_result = self._eval_and_log(step, progress)
-        elapsed = time.perf_counter() - first_step_done
-        eval_result = self._eval_and_log(total_steps, progress)
+        history = keras.callbacks.History()
+        callbacks = self._callback_list(plan, history)
+        # Batch logs cost a metric read (and, across workers, a sum) per step: only
+        # computed when a callback has batch hooks (as Keras skips them too).
+        wants_batch_logs = any(implements_batch_hooks(c) for c in callbacks.callbacks)
+        iterator = iter(self.parallel.distribute(plan.train_dataset_fn(start_step)))
+        progress = Progress(plan.total_steps, config.global_batch_size, config.log_every,
+                            enabled=self.parallel.is_chief and plan.progress)
+        losses, epoch_logs, eval_logs = [], {}, {}
+        self.user_model.stop_training = False
+        start = first_step_done = time.perf_counter()
+        callbacks.on_train_begin()
+        step = start_step
+        for epoch in range(start_step // plan.steps_per_epoch, plan.epochs):
+            if step >= plan.total_steps or self.user_model.stop_training:
+                break
+            callbacks.on_epoch_begin(epoch)
+            self.parallel.sync_hyperparameters(self.user_model.optimizer)
+            self.metrics.reset()
+            epoch_end = min((epoch + 1) * plan.steps_per_epoch, plan.total_steps)
+            while step < epoch_end:
+                batch = step - epoch * plan.steps_per_epoch
+                callbacks.on_train_batch_begin(batch)
+                step += 1
+                loss = self._train_one(step, iterator)
+                if step == start_step + 1:
+                    first_step_done = time.perf_counter()  # excludes tracing from throughput
+                losses.append(loss)
+                self.metrics.add_loss(loss)
+                progress.update(step, loss)
+                if step % config.log_every == 0:
+                    self._scalars("train", step, loss=loss)
+                self._checkpoint(checkpointer, watcher, step, plan.total_steps)
+                callbacks.on_train_batch_end(batch, self.metrics.logs() if wants_batch_logs
+                                             else None)
+                if config.eval_every and step % config.eval_every == 0 \
+                        and plan.validation is not None and step != plan.total_steps:
+                    self._eval_and_log(step, plan.validation, progress)
+                if self.user_model.stop_training:
+                    break
+            epoch_logs = self.metrics.logs()
+            if plan.validation is not None and (epoch_end == plan.total_steps or (
+                    (epoch + 1) % plan.validation_freq == 0 and not config.eval_every)):
+                eval_logs = self._eval_and_log(step, plan.validation, progress)
+                epoch_logs.update({f"val_{k}": v for k, v in eval_logs.items()})
+            self.parallel.sync_to_user_model(self.user_model, self.model)
+            callbacks.on_epoch_end(epoch, epoch_logs)
+        callbacks.on_train_end(epoch_logs)
+        elapsed = time.perf_counter() - first_step_done - self.eval_seconds
         timed_steps = max(len(losses) - 1, 1)
         rate = timed_steps * config.global_batch_size / max(elapsed, 1e-9)
-        self._scalars("train", total_steps, examples_per_sec=rate)
+        self._scalars("train", step, examples_per_sec=rate)
         for writer in self.writers.values():
             writer.flush()
-        return LoopResult(losses, eval_result[0], eval_result[1], rate,
-                          time.perf_counter() - start, start_step)
+        train_metrics = {k: v for k, v in epoch_logs.items() if not k.startswith("val_")}
+        return LoopResult(losses, eval_logs.get("loss"), _accuracy(eval_logs), rate,
+                          time.perf_counter() - start, start_step, history, train_metrics,
+                          eval_logs)
 
-    def _eval_and_log(self, step: int, progress: Progress):
-        loss, accuracy = self.evaluate()
-        self._scalars("eval", step, loss=loss, accuracy=accuracy)
-        progress.message(f"eval at step {step}: loss {loss:.4f}  accuracy {accuracy:.4f}")
-        return loss, accuracy
+    def _train_one(self, step: int, iterator) -> float:
+        if self._profile(step, 0):
+            tf.profiler.experimental.start(os.path.join(self.log_dir, "profile"))
+        loss = float(self.train_step(iterator))
+        if self._profile(step, 1):
+            tf.profiler.experimental.stop()
+        return loss
+
+    def _checkpoint(self, checkpointer, watcher, step: int, total_steps: int) -> None:
+        if checkpointer is None:
+            return
+        if self._due(step, total_steps):
+            checkpointer.save(step)
+        if self.parallel.any_process(watcher.requested):
+            if not self._due(step, total_steps):
+                checkpointer.save(step)
+            raise Preempted(step, self.config.model_dir)
+
+    def _eval_and_log(self, step: int, data: EvalData, progress: Progress) -> dict:
+        # Evaluation shares the metric objects: the epoch's training state comes back.
+        started = time.perf_counter()
+        training_state = self.metrics.snapshot()
+        logs = self.evaluate(data)
+        self.metrics.restore(training_state)
+        self._scalars("eval", step, **{k: v for k, v in logs.items() if _is_scalar(v)})
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in logs.items() if _is_scalar(v))
+        progress.message(f"eval at step {step}: {shown}")
+        self.eval_seconds += time.perf_counter() - started   # not training time
+        return logs
 
 
-def evaluate(parallel, eval_step, source, config):
-    """Mean loss and accuracy over the whole test split (every example once)."""
-    dataset_fn = pipeline.eval_dataset_fn(source, config.global_batch_size, config.data)
-    iterator = iter(parallel.distribute(dataset_fn))
-    totals = [0.0, 0.0, 0.0]
-    for _ in range(pipeline.eval_steps(source, config.global_batch_size)):
-        for i, value in enumerate(eval_step(iterator)):
-            totals[i] += float(value)
-    loss_sum, correct_sum, weight_sum = totals
-    return loss_sum / weight_sum, correct_sum / weight_sum
+def implements_batch_hooks(callback) -> bool:
+    """Whether the callback's class overrides a train-batch hook of keras.callbacks.Callback."""
+    base = keras.callbacks.Callback
+    return any(getattr(type(callback), hook) is not getattr(base, hook)
+               for hook in ("on_train_batch_end", "on_batch_end", "on_train_batch_begin",
+                            "on_batch_begin"))
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, float)
+
+
+def _accuracy(logs: dict):
+    for name in ("accuracy", "sparse_categorical_accuracy", "categorical_accuracy"):
+        if name in logs:
+            return logs[name]
+    return None

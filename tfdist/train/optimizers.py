@@ -16,7 +16,12 @@ OPTIMIZERS = Registry("optimizer", {
 
 
 def build_optimizer(name: str, learning_rate: float, mixed_precision=None):
-    optimizer = OPTIMIZERS.get(name)(learning_rate)
+    """tfdist's four (fixed hyper-parameters), else any Keras optimizer by identifier."""
+    if name in OPTIMIZERS:
+        optimizer = OPTIMIZERS.get(name)(learning_rate)
+    else:
+        optimizer = keras.optimizers.get({"class_name": name, "config": {
+            "learning_rate": learning_rate}})
     if mixed_precision == "mixed_float16":
         # float16 gradients underflow without a (dynamic) loss scale.
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

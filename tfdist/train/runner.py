@@ -8,14 +8,19 @@ and only then are model and optimizer created inside the mode's scope.
 
 import json
 import logging
+import math
 import os
 
 import keras
 
-from tfdist import data, models, parallel as parallel_lib
+from typing import Optional
+
+from tfdist import data, models, parallel as parallel_lib, user_code
+from tfdist.errors import UsageError, require
 from tfdist.config import DEFAULT_EPOCHS, RunConfig
 from tfdist.train import model_dir_lock, optimizers, progress
-from tfdist.train.loop import TrainingLoop
+from tfdist.data import pipeline
+from tfdist.train.loop import EvalData, TrainingLoop, TrainPlan
 
 log = logging.getLogger("tfdist")
 
@@ -29,22 +34,110 @@ def resolve_steps(config: RunConfig, source) -> int:
     return epochs * steps_per_epoch
 
 
-def build_model_and_optimizer(config: RunConfig, parallel, info):
-    """Same seed, same initial weights, in every mode: the RNG is reset right before."""
+REGISTRY_METRICS = ("accuracy",)
+
+
+def registry_loss():
+    """What every registry model trains with: its outputs are logits."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build_model(config: RunConfig, parallel, info):
+    """The --model (a registry name, or a user's MODULE:FUNCTION), compiled with --loss,
+    --metrics and --optimizer as a user would compile it, in the mode's scope. Same
+    seed, same initial weights, in every mode: the RNG is reset right before."""
     keras.utils.set_random_seed(config.seed)
-    return parallel.build_model_and_optimizer(
-        lambda: models.build_model(info, config.model),
-        lambda: optimizers.build_optimizer(config.optimizer, config.learning_rate,
-                                           config.mixed_precision))
+    user = user_code.is_user_code_spec(config.model.name)
+    with parallel.scope():
+        model = (user_code.build_user_model(config.model.name) if user
+                 else models.build_model(info, config.model))
+        model.compile(optimizer=optimizers.build_optimizer(
+                          config.optimizer, config.learning_rate, config.mixed_precision),
+                      loss=compiled_loss(config, user), metrics=compiled_metrics(config, user))
+    return model
 
 
-def train(config, parallel, source, model, optimizer, steps):
+def compiled_loss(config: RunConfig, user_model: bool):
+    """--loss by Keras identifier; the registry models' default (their outputs are
+    logits); a user's model has no default (its outputs are the user's)."""
+    if config.loss is None:
+        require(not user_model,
+                f"--model={config.model.name} is your own model: give --loss (a Keras loss "
+                f"identifier, e.g. sparse_categorical_crossentropy, mse, binary_crossentropy).")
+        return registry_loss()
+    try:
+        return keras.losses.get(config.loss)
+    except (ValueError, TypeError):
+        raise UsageError(f"Unknown --loss {config.loss!r}: not a Keras loss identifier "
+                         f"(e.g. sparse_categorical_crossentropy, categorical_crossentropy, "
+                         f"binary_crossentropy, mse, mae, huber).") from None
+
+
+def compiled_metrics(config: RunConfig, user_model: bool):
+    if config.metrics is None:
+        return [] if user_model else list(REGISTRY_METRICS)
+    for name in config.metrics:
+        try:
+            keras.metrics.get(name)
+        except (ValueError, TypeError):
+            raise UsageError(f"Unknown --metrics entry {name!r}: not a Keras metric "
+                             f"identifier (e.g. accuracy, mae, mse, auc, precision).") from None
+    return list(config.metrics)
+
+
+def save_outputs(config: RunConfig, strategy, model) -> None:
+    """--save_model and --export_dir from the trained model (every process takes part
+    in gathering the weights; the chief writes)."""
+    if config.save_model:
+        strategy.save(model, config.save_model)
+        log.info("saved the trained model to %s", config.save_model)
+    if config.export_dir:
+        strategy.export(model, config.export_dir)
+        log.info("exported a SavedModel to %s", config.export_dir)
+
+
+def build_model_and_optimizer(config: RunConfig, parallel, info):
+    """(the model the steps train, its optimizer) for --model."""
+    return parallel.adopt(build_model(config, parallel, info))
+
+
+def train_plan(config: RunConfig, source, steps: int, callbacks=()) -> TrainPlan:
+    """The registry run as a fit: epochs of the training split, one validation (the
+    test split) at the end, or every --eval_every steps."""
+    steps_per_epoch = max(1, source.info.size("train") // config.global_batch_size)
+    return TrainPlan(
+        train_dataset_fn=lambda start_step: pipeline.train_dataset_fn(
+            source, config.global_batch_size, config.seed, config.data, start_step),
+        steps_per_epoch=steps_per_epoch, epochs=math.ceil(steps / steps_per_epoch),
+        total_steps=steps, validation=eval_data(config, source),
+        validation_freq=math.ceil(steps / steps_per_epoch), callbacks=tuple(callbacks),
+        progress=True)
+
+
+def sample_batch(dataset_fn):
+    """One batch of a dataset_fn's data, read on the host (one input pipeline)."""
+    import tensorflow as tf
+    return next(iter(dataset_fn(tf.distribute.InputContext()).take(1)))
+
+
+def eval_data(config: RunConfig, source) -> Optional[EvalData]:
+    """The test split, every example once (None when the data has no test split)."""
+    if not source.info.has_split("test"):
+        return None
+    return EvalData(pipeline.eval_dataset_fn(source, config.global_batch_size, config.data),
+                    pipeline.eval_steps(source, config.global_batch_size),
+                    source.info.size("test"))
+
+
+def train(config, parallel, source, model, optimizer, steps, user_model=None):
+    """Trains `model` (what parallel.adopt returned for `user_model`, by default itself)."""
+    user_model = model if user_model is None else user_model
     if config.trainer == "fit":
         from tfdist.train import fit
         return fit.train_with_fit(config, parallel, source, model, optimizer, steps)
-    loop = TrainingLoop(config, parallel, source, model, optimizer,
+    loop = TrainingLoop(config, parallel, user_model, model, optimizer,
                         parallel.write_dir(config.model_dir))
-    return loop.run(steps)
+    return loop.run(train_plan(config, source, steps))
 
 
 def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict:
@@ -63,10 +156,16 @@ def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict
         "final_loss": loop_result.losses[-1] if loop_result.losses else None,
         "eval_loss": loop_result.eval_loss,
         "eval_accuracy": loop_result.eval_accuracy,
+        "train_metrics": _json_scalars(loop_result.train_metrics),
+        "eval_metrics": _json_scalars(loop_result.eval_metrics),
         "examples_per_sec": loop_result.examples_per_sec,
         "train_seconds": loop_result.train_seconds,
         "param_bytes_per_device": parallel.param_bytes_per_device(model, optimizer),
     }
+
+
+def _json_scalars(logs: dict) -> dict:
+    return {name: value for name, value in logs.items() if isinstance(value, float)}
 
 
 def write_results(path: str, results: dict) -> None:
@@ -89,21 +188,28 @@ def run(config: RunConfig, return_model: bool = False):
 
 
 def _run(config: RunConfig, return_model: bool):
-    parallel = parallel_lib.build_parallelism(config)
+    from tfdist.api import Strategy
+    strategy = Strategy.from_config(config)   # the public API's object: one code path
+    parallel = strategy.parallel
     parallel.validate_global_batch(config.global_batch_size)
     source = data.get_source(config.data)
     keras.mixed_precision.set_dtype_policy(config.mixed_precision or "float32")
-    model, optimizer = build_model_and_optimizer(config, parallel, source.info)
+    user_model = build_model(config, parallel, source.info)
+    validation = eval_data(config, source)
+    model, optimizer = strategy.prepare(user_model, sample_batch(
+        validation.dataset_fn if validation else train_plan(config, source, 1).train_dataset_fn(0)))
     steps = resolve_steps(config, source)
     log.info("strategy %s: %d replica(s) on %s; %s on %s, %d steps of %d examples",
              parallel.name, parallel.num_replicas, ", ".join(parallel.devices),
              config.model.name, config.data.name, steps, config.global_batch_size)
     try:
         with parallel.translate_failures():
-            loop_result = train(config, parallel, source, model, optimizer, steps)
+            loop_result = train(config, parallel, source, model, optimizer, steps, user_model)
         results = results_dict(config, parallel, steps, loop_result, model, optimizer)
         if config.results_json and parallel.is_chief:
             write_results(config.results_json, results)
+        with parallel.translate_failures():
+            save_outputs(config, strategy, user_model)
         with parallel.translate_failures():
             parallel.finish()
     finally:

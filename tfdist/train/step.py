@@ -1,69 +1,108 @@
-"""The per-replica math of one training or eval step, shared by tf.distribute modes.
+"""The per-replica math of one training or eval step, shared by every mode.
 
-The loss is the per-example loss summed over this replica's examples and divided
-by the GLOBAL batch size, so that summing replica gradients (what every
-all-reduce does) gives exactly the full-batch mean gradient of one device.
+The loss is the model's own compiled loss (`model.compute_loss`: the user's loss
+objects, loss weights, sample weights and regularisation terms), reduced the way
+Keras reduces it under tf.distribute: a `sum_over_batch_size` loss is this
+replica's mean divided by the number of replicas in sync, a `sum` loss is left as
+it is. Every replica holds the same number of examples (the input pipeline
+guarantees it), so summing the replicas' losses and gradients (what every
+all-reduce does) gives exactly the global batch's loss and gradient on one
+device. Modes that split a batch without tf.distute (the pipeline's micro-batches)
+scale by `batch_fraction` below.
 """
 
 import keras
 import tensorflow as tf
 
-
-def per_example_loss(labels, logits):
-    """Cross-entropy per example; a language model averages over positions."""
-    loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-    if loss.shape.rank > 1:
-        loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
-    return loss
+# Keras' reductions that make a mean of replica means the global mean (the
+# default), or a sum of replica sums the global sum. "mean_with_sample_weight"
+# divides by each replica's own weight sum, which no split of the batch keeps.
+EXACT_REDUCTIONS = ("sum_over_batch_size", "sum", "mean")
 
 
-def per_example_correct(labels, logits):
-    """1.0 for a right prediction; a language model averages over positions."""
-    predictions = tf.argmax(logits, axis=-1, output_type=tf.int32)
-    correct = tf.cast(tf.equal(predictions, tf.cast(labels, tf.int32)), tf.float32)
-    if correct.shape.rank > 1:
-        correct = tf.reduce_mean(correct, axis=list(range(1, correct.shape.rank)))
-    return correct
+def split_batch(batch):
+    """(x, y, sample_weight) of a batch given as (x, y) or (x, y, w) (or x alone)."""
+    x, y, w = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list)
+                                                   else batch)
+    return x, y, per_example_weight(w, y)
 
 
-def make_loss_and_grads(model, optimizer, global_batch_size: int, jit_compile: bool):
-    """Returns fn(x, y) -> (loss, grads); XLA-compiled when asked (no collectives inside).
+def per_example_weight(w, y):
+    """A (batch,) weight reshaped to broadcast over a single label tensor's other axes.
+
+    Why: Keras matches a weight to the loss by squeezing or expanding one trailing
+    axis of size 1 only, so a (batch,) weight against a sequence model's
+    (batch, positions) loss either fails or, when positions == batch, silently
+    broadcasts along the wrong axis. (batch, 1, ...) weighs each example's
+    positions alike, which is what a per-example weight (and the evaluation's
+    padding flag) means."""
+    if w is None or not isinstance(y, tf.Tensor) or w.shape.rank != 1 or y.shape.rank is None \
+            or y.shape.rank < 2:
+        return w
+    return tf.reshape(w, [-1] + [1] * (y.shape.rank - 1))
+
+
+def forward_loss(model, x, y, sample_weight, training: bool):
+    """(loss, y_pred): the model's compiled loss on this batch, Keras-reduced."""
+    y_pred = model(x, training=training)
+    loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                              training=training)
+    return loss, y_pred
+
+
+def loss_reductions(model):
+    """The reduction of every compiled loss ('sum_over_batch_size' for names and
+    plain functions, which Keras wraps with its default)."""
+    losses = keras.tree.flatten(model.loss) if model.loss is not None else []
+    return [loss.reduction if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+            for loss in losses]
+
+
+def make_loss_and_grads(model, optimizer, jit_compile: bool):
+    """Returns fn(x, y, w) -> (loss, grads, y_pred); XLA-compiled when asked.
 
     Only the XLA case is a nested tf.function: a synchronized BatchNorm all-reduces
     its batch statistics (a merge_call), which TF refuses inside a nested
     tf.function, so without XLA the caller's tf.function traces this directly.
     """
 
-    def loss_and_grads(x, y):
+    def loss_and_grads(x, y, w):
         with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.nn.compute_average_loss(
-                per_example_loss(y, logits), global_batch_size=global_batch_size)
+            loss, y_pred = forward_loss(model, x, y, w, training=True)
             scaled = optimizer.scale_loss(loss)  # loss scaling under mixed_float16, else identity
         grads = tape.gradient(scaled, model.trainable_variables)
-        return loss, grads
+        return loss, grads, y_pred
 
     return tf.function(loss_and_grads, jit_compile=True) if jit_compile else loss_and_grads
 
 
-def make_replica_train_step(model, optimizer, global_batch_size: int, jit_compile: bool):
-    """Returns fn(x, y) -> this replica's share of the loss; applies the update."""
-    loss_and_grads = make_loss_and_grads(model, optimizer, global_batch_size, jit_compile)
+def make_replica_train_step(model, optimizer, jit_compile: bool):
+    """Returns fn(batch) -> (this replica's share of the loss, (y, y_pred, w)); applies
+    the update."""
+    loss_and_grads = make_loss_and_grads(model, optimizer, jit_compile)
 
-    def replica_step(x, y):
-        loss, grads = loss_and_grads(x, y)
+    def replica_step(batch):
+        x, y, w = split_batch(batch)
+        loss, grads, y_pred = loss_and_grads(x, y, w)
         # Keras' TF optimizer all-reduces (sums) gradients across replicas here.
         optimizer.apply(grads, model.trainable_variables)
-        return loss
+        return loss, outputs_of(y, y_pred, w)
 
     return replica_step
 
 
 def replica_eval_step(model):
-    def eval_step(x, y, weight):
-        logits = model(x, training=False)
-        return (tf.reduce_sum(per_example_loss(y, logits) * weight),
-                tf.reduce_sum(per_example_correct(y, logits) * weight),
-                tf.reduce_sum(weight))
+    """fn(batch) -> (this replica's share of the loss, (y, y_pred, w))."""
+    def eval_step(batch):
+        x, y, w = split_batch(batch)
+        loss, y_pred = forward_loss(model, x, y, w, training=False)
+        return loss, outputs_of(y, y_pred, w)
     return eval_step
 
+
+def outputs_of(y, y_pred, w):
+    """What metrics are updated from; a missing weight becomes ones (tf.function
+    outputs cannot be None), so every mode returns the same structure."""
+    if w is None:
+        w = per_example_weight(tf.ones(tf.shape(keras.tree.flatten(y_pred)[0])[:1]), y)
+    return y, y_pred, w

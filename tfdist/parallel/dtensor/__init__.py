@@ -61,6 +61,17 @@ class DTensorParallelism(Parallelism):
     def describe_mesh(self) -> str:
         return ",".join(f"{a}={s}" for a, s in self.axes.items())
 
+    def adopt(self, model):
+        """Shards the user's compiled model in place (its variables get DTensor storage)
+        and builds its optimizer on the shards."""
+        from tfdist.parallel.base import require_compiled
+        require_compiled(model)
+        require(not model.optimizer.built,
+                f"The optimizer of model '{model.name}' is already built (it has slots for "
+                f"unsharded variables); compile the model with a new optimizer before "
+                f"training it under --strategy=dtensor.")
+        return self.build_model_and_optimizer(lambda: model, lambda: model.optimizer)
+
     def build_model_and_optimizer(self, model_fn, optimizer_fn):
         from tfdist.parallel.dtensor import presets, sharding
         model = model_fn()  # built unsharded (same seed, same values), then moved
@@ -80,16 +91,22 @@ class DTensorParallelism(Parallelism):
         from tfdist.parallel.dtensor.step import ShardedInputs
         return ShardedInputs(dataset_fn, self.mesh)
 
-    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                        on_outputs=None):
         if jit_compile:
             raise UsageError("--jit_compile is not supported with --strategy=dtensor (DTensor "
                              "compiles its own SPMD program); drop the flag.")
         from tfdist.parallel.dtensor import step
-        return step.make_train_step(model, optimizer, self.slots, global_batch_size)
+        return step.make_train_step(model, optimizer, self.slots, global_batch_size,
+                                    on_outputs)
 
-    def make_eval_step(self, model):
+    def make_eval_step(self, model, on_outputs=None):
         from tfdist.parallel.dtensor import step
-        return step.make_eval_step(model)
+        return step.make_eval_step(model, on_outputs)
+
+    def make_predict_step(self, user_model, model):
+        from tfdist.parallel.dtensor import step
+        return step.make_predict_step(model, self.mesh)
 
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         """Bytes of this client's actual shards, per device (other clients report theirs)."""

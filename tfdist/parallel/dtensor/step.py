@@ -38,7 +38,7 @@ class ShardedInputs:
 
     def __iter__(self):
         for batch in self.dataset_fn(self.input_context()):
-            yield tuple(self.pack(t) for t in batch)
+            yield tf.nest.map_structure(self.pack, batch)
 
     def pack(self, tensor):
         layout = dtensor.Layout.batch_sharded(self.mesh, mesh_lib.BATCH, tensor.shape.rank)
@@ -54,38 +54,83 @@ def local_value(tensor):
     return dtensor.unpack(tensor)[0]
 
 
-def make_train_step(model, optimizer, slots, global_batch_size: int):
-    # Inline, not a nested tf.function: see update.py.
-    def loss_and_grads(x, y):
-        with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.nn.compute_average_loss(
-                step_math.per_example_loss(y, logits), global_batch_size=global_batch_size)
-        return loss, tape.gradient(loss, model.trainable_variables)
+def replicated(mesh):
+    """fn(DTensor) -> its full value on every device: what the host-side metrics read
+    (every client then updates them with the whole global batch)."""
+    return lambda tensor: dtensor.relayout(
+        tensor, dtensor.Layout.replicated(mesh, tensor.shape.rank))
 
+
+def outputs_on_host(outputs):
+    return tf.nest.map_structure(lambda t: local_value(t), outputs)
+
+
+def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=None):
+    """The loss is Keras' compiled loss on the whole (logical) global batch: one
+    program over the mesh, so no replica scaling is involved. on_outputs (the
+    metrics' update, plain TF variables) runs after the DTensor program, on the
+    gathered (y, y_pred, w)."""
+    with_outputs = on_outputs is not None
+    del global_batch_size
     variables = model.trainable_variables
     layouts = [sharding.layout_of(v) for v in variables]
+    gather = replicated(layouts[0].mesh)
 
+    # Inline, not a nested tf.function: see update.py.
     @tf.function
-    def sharded_step(x, y):
-        loss, grads = loss_and_grads(x, y)
+    def sharded_step(batch):
+        x, y, w = step_math.split_batch(batch)
+        with tf.GradientTape() as tape:
+            loss, y_pred = step_math.forward_loss(model, x, y, w, training=True)
+        grads = tape.gradient(loss, variables)
         # Gradients are brought to their variable's layout inside (a no-op when
         # DTensor's propagation already chose it).
         update.apply(optimizer, slots, grads, variables, layouts)
-        return loss
+        if not with_outputs:
+            return loss
+        return loss, tf.nest.map_structure(gather, step_math.outputs_of(y, y_pred, w))
 
     def train_step(iterator):
-        x, y = next(iterator)
-        return local_value(sharded_step(x, y))
+        result = sharded_step(next(iterator))
+        if not with_outputs:
+            return local_value(result)
+        on_outputs(outputs_on_host(result[1]))
+        return local_value(result[0])
 
     train_step.sharded_step = sharded_step  # for graph inspection in tests
     return train_step
 
 
-def make_eval_step(model):
-    sums = tf.function(step_math.replica_eval_step(model))
+def make_predict_step(model, mesh):
+    """fn(x batch) -> plain y_pred: the batch is given to every device whole
+    (replicated: any batch size), the outputs gathered."""
+    gather = replicated(mesh)
+
+    @tf.function
+    def sharded_predict(x):
+        return tf.nest.map_structure(gather, model(x, training=False))
+
+    def predict(x):
+        packed = tf.nest.map_structure(
+            lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(mesh, t.shape.rank)), x)
+        return tf.nest.map_structure(local_value, sharded_predict(packed))
+
+    return predict
+
+
+def make_eval_step(model, on_outputs=None):
+    gather = replicated(sharding.layout_of(model.variables[0]).mesh)
+
+    @tf.function
+    def sharded_eval(batch):
+        x, y, w = step_math.split_batch(batch)
+        loss, y_pred = step_math.forward_loss(model, x, y, w, training=False)
+        return loss, tf.nest.map_structure(gather, step_math.outputs_of(y, y_pred, w))
 
     def eval_step(iterator):
-        return tuple(local_value(s) for s in sums(*next(iterator)))
+        loss, outputs = sharded_eval(next(iterator))
+        if on_outputs is not None:
+            on_outputs(outputs_on_host(outputs))
+        return local_value(loss)
 
     return eval_step

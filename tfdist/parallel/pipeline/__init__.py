@@ -23,7 +23,8 @@ from tfdist import devices as devices_lib
 from tfdist.errors import require
 from tfdist.parallel.base import Parallelism, add_bytes
 from tfdist.parallel.pipeline import placement, schedule
-from tfdist.parallel.pipeline.partition import Partition, partition_model
+from tfdist.parallel.pipeline.partition import Partition, partition_model, refuse_uncuttable
+from tfdist.train import clipping, step as step_math
 
 log = logging.getLogger("tfdist")
 
@@ -63,13 +64,55 @@ class PipelineParallelism(Parallelism):
         # On the host: the whole model never has to fit on one accelerator.
         with tf.device("/cpu:0"):
             reference = model_fn()
+        refuse_uncuttable(reference)
         self._refuse_batch_statistics(reference)
+        self._refuse_inexact_losses(reference)
+        self.reference = reference
         self.partition = partition_model(reference, self.num_stages, self.split)
         log.info("%s", self.partition.describe())
         self.replicas = [placement.place_replica(reference, self.partition,
                                                  self.replica_devices(r), optimizer_fn)
                          for r in range(self.num_replicas)]
         return self.replicas[0].model, placement.StageOptimizers(self.replicas)
+
+    def adopt(self, model):
+        """Cuts the user's compiled model into stages; every replica trains a placed
+        copy with one optimizer per stage (each a fresh copy of the compiled one)."""
+        from tfdist.parallel.base import require_compiled
+        require_compiled(model)
+        optimizer = model.optimizer
+        # Private Keras attributes, no public getter (keras-team/keras#16274); canary:
+        # tests/test_dtensor_optimizers.py::test_keras_weight_decay_decision_canary.
+        require(not getattr(optimizer, "_exclude_from_weight_decay", None) and not getattr(
+                    optimizer, "_exclude_from_weight_decay_pattern", None),
+                "--strategy=pipeline: exclude_from_weight_decay is not carried over to the "
+                "stage optimizers (their copies are made from the optimizer's config); "
+                "remove it, or train with dtensor or a tf.distribute mode.")
+        self.clip_like = optimizer   # clipping is on the global gradient (schedule.py)
+        return self.build_model_and_optimizer(
+            lambda: model, lambda: clipping.unclipped_copy(optimizer))
+
+    def make_predict_step(self, user_model, model):
+        """The user's model, synced after every epoch, on the host (no stages needed)."""
+        self.sync_to_user_model(user_model, model)
+        return tf.function(lambda x: user_model(x, training=False))
+
+    def sync_hyperparameters(self, optimizer) -> None:
+        """Each stage optimizer copies the user's optimizer's learning rate (a schedule
+        is each optimizer's own, evaluated at its own, equal, iteration count)."""
+        if isinstance(optimizer.get_config()["learning_rate"], dict):   # a serialized schedule
+            return
+        rate = float(optimizer.learning_rate)
+        for replica in self.replicas:
+            for stage in replica.stages:
+                if float(stage.optimizer.learning_rate) != rate:
+                    stage.optimizer.learning_rate = rate
+
+    def replica_models(self, model) -> dict:
+        return {f"replica {r}": replica.model for r, replica in enumerate(self.replicas)}
+
+    def sync_to_user_model(self, model, trained_model) -> None:
+        model.set_weights(trained_model.get_weights())
 
     def checkpoint_objects(self, model, optimizer) -> Dict:
         """Every replica's copy and every stage optimizer: a restore sets them all."""
@@ -99,14 +142,51 @@ class PipelineParallelism(Parallelism):
                                              num_replicas_in_sync=self.num_replicas)
         return dataset_fn(context)
 
-    def make_train_step(self, model, optimizer, global_batch_size, jit_compile):
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                        on_outputs=None):
         require(not jit_compile, "--jit_compile is not supported by --strategy=pipeline yet "
                                  "(each stage would need its own XLA cluster).")
-        return schedule.make_train_step(self.replicas, self.microbatches, global_batch_size,
-                                        self.schedule)
+        loss_fn = self._share_of_loss(self.microbatches * self.num_replicas)
+        clip = getattr(self, "clip_like", None)
+        if clip is not None and not (clip.clipnorm or clip.clipvalue or clip.global_clipnorm):
+            clip = None
+        return schedule.make_train_step(
+            self.replicas, self.microbatches, loss_fn, self.schedule, on_outputs,
+            clip=None if clip is None else lambda grads: clipping.clip_like_keras(grads, clip))
 
-    def make_eval_step(self, model):
-        return schedule.make_eval_step(self.replicas)
+    def make_eval_step(self, model, on_outputs=None):
+        return schedule.make_eval_step(self.replicas, self._share_of_loss(self.num_replicas),
+                                       on_outputs)
+
+    def _share_of_loss(self, parts: int):
+        """loss_fn(y, y_pred, w): one of `parts` equal pieces of the global batch's loss.
+        Keras' compiled loss on the piece is the piece's mean (divided by `parts` to
+        make the sum of pieces the global mean) or, for `sum` losses, its sum."""
+        reference = self.reference
+        means = step_math.loss_reductions(reference)[0] != "sum" if reference.loss else True
+        scale = 1.0 / parts if means else 1.0
+
+        def loss_fn(y, y_pred, w):
+            loss = reference.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=w)
+            return loss * tf.cast(scale, loss.dtype)
+
+        return loss_fn
+
+    def _refuse_inexact_losses(self, model) -> None:
+        reductions = step_math.loss_reductions(model)
+        kinds = {r == "sum" for r in reductions}
+        require(model.loss is not None,
+                f"Model '{model.name}' is not compiled with a loss; compile it "
+                f"(model.compile(optimizer=..., loss=...)) before training it in a pipeline.")
+        require(all(r in step_math.EXACT_REDUCTIONS for r in reductions) and len(kinds) == 1,
+                f"Model '{model.name}' has losses with reductions {reductions}; a pipeline "
+                f"splits every batch into micro-batches and replicas, which is exact for losses "
+                f"that all reduce by 'sum_over_batch_size' (Keras' default) or all by 'sum'.")
+        require(not model.losses,
+                f"Model '{model.name}' adds {len(model.losses)} regularisation or add_loss "
+                f"term(s) to its loss; under --strategy=pipeline each stage would need its "
+                f"own share of them, which tfdist does not compute yet. Remove the "
+                f"regularizers, or use mirrored, multi_worker_mirrored or dtensor.")
 
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         totals = collections.Counter()

@@ -57,6 +57,21 @@ class Partition:
         return "\n".join(lines)
 
 
+def refuse_uncuttable(model) -> None:
+    """A pipeline cuts a model's graph of layers; a subclassed model's `call` is Python
+    code with no graph to cut. Say how to make it pipeline-able, before any trace."""
+    # Keras exports no class for functional models (keras.Model(inputs, outputs) returns a
+    # keras.src Functional; Sequential builds one inside): canary in test_upstream_canaries.py.
+    graph_model = isinstance(model, (keras.Sequential, keras.src.models.functional.Functional))
+    require(graph_model,
+            f"Model '{model.name}' ({type(model).__name__}) is a subclassed Keras model: "
+            f"its call() is Python code, with no graph of layers that --strategy=pipeline "
+            f"could cut into stages. Build it as a functional model (keras.Model(inputs, "
+            f"outputs)) or a keras.Sequential, then name the layers that start stages 2..S "
+            f"with --pipeline_split (or pipeline_split=[...]), or train it with mirrored, "
+            f"multi_worker_mirrored or dtensor.")
+
+
 def chain_layers(model) -> List:
     """The model's layers in topological order, without input layers."""
     return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]

@@ -75,9 +75,10 @@ SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
 class _ReplicaRun:
     """The tensors of one replica's step, filled in as the schedule's ops are built."""
 
-    def __init__(self, stages, x_parts, y_parts, global_batch_size, replica):
-        self.stages, self.y_parts, self.replica = stages, y_parts, replica
-        self.global_batch_size = global_batch_size
+    def __init__(self, stages, x_parts, y_parts, w_parts, loss_fn, replica):
+        self.stages, self.y_parts, self.w_parts, self.replica = stages, y_parts, w_parts, replica
+        self.loss_fn = loss_fn
+        self.predictions = {}   # m -> the last stage's output (for the metrics)
         num_stages = len(stages)
         self.act = {(-1, m): x for m, x in enumerate(x_parts)}  # (k, m): stage k's output
         self.grad = {(num_stages - 1, m): None for m in range(len(x_parts))}  # d loss/d act
@@ -108,9 +109,8 @@ class _ReplicaRun:
                 tape.watch(h)
             out = stage.model(h, training=True)
             if last:
-                out = tf.nn.compute_average_loss(
-                    step_math.per_example_loss(self.y_parts[m], out),
-                    global_batch_size=self.global_batch_size)
+                self.predictions[m] = out
+                out = self.loss_fn(self.y_parts[m], out, self.w_parts[m])
             out = tf.identity(out, name=MICROBATCH_LOSS if last else BOUNDARY_ACTIVATION)
         self.tapes[(k, m)] = tape
         self.act[(k, m)] = out
@@ -132,12 +132,13 @@ class _ReplicaRun:
         return [self.grad[(k - 1, m)]]
 
 
-def run_replica(stages, x_parts, y_parts, global_batch_size, schedule: str, replica: int = 0):
+def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, replica: int = 0):
     """Builds one replica's forward and backward ops in schedule order.
 
-    Returns (micro-batch losses, per stage its variable gradients summed over m).
+    Returns (micro-batch losses, per stage its variable gradients summed over m,
+    the last stage's outputs per micro-batch).
     """
-    run = _ReplicaRun(stages, x_parts, y_parts, global_batch_size, replica)
+    run = _ReplicaRun(stages, x_parts, y_parts, w_parts, loss_fn, replica)
     num_stages, microbatches = len(stages), len(x_parts)
     pending = [list(SCHEDULES[schedule](num_stages, microbatches, k)) for k in range(num_stages)]
     while any(pending):
@@ -155,7 +156,7 @@ def run_replica(stages, x_parts, y_parts, global_batch_size, schedule: str, repl
         with tf.device(stage.device):
             # Named so the hybrid's transfer of it to replica 0 is recognisable.
             grads.append([_named(g, STAGE_GRADIENT) for g in sums])
-    return losses, grads
+    return losses, grads, [run.predictions[m] for m in range(microbatches)]
 
 
 def _zeros_if_none(grad, source):
@@ -193,13 +194,23 @@ def _sum(parts):
     return total
 
 
-def apply_gradients(replicas, replica_grads) -> None:
-    """Sums stage-k gradients over replicas on replica 0's device; every copy applies the sum."""
+def apply_gradients(replicas, replica_grads, clip=None) -> None:
+    """Sums stage-k gradients over replicas on replica 0's device; every copy applies the sum.
+
+    `clip(all stages' gradients)`, if given, clips them as the user's optimizer would
+    (clipnorm, clipvalue, global_clipnorm: the global norm spans every stage), and the
+    stage optimizers, built with clipping off, apply the result."""
+    totals = []
     for k in range(len(replicas[0].stages)):
         per_replica = [grads[k] for grads in replica_grads]
         with tf.device(replicas[0].stages[k].device):
-            total = per_replica[0] if len(per_replica) == 1 else [
-                _named(_sum(parts), GRADIENT_SUM) for parts in zip(*per_replica)]
+            totals.append(per_replica[0] if len(per_replica) == 1 else [
+                _named(_sum(parts), GRADIENT_SUM) for parts in zip(*per_replica)])
+    if clip is not None:
+        sizes = [len(total) for total in totals]
+        flat = clip([g for total in totals for g in total])
+        totals = [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+    for k, total in enumerate(totals):
         for replica in replicas:
             stage = replica.stages[k]
             with tf.device(stage.device):
@@ -213,44 +224,69 @@ def _named(grad, name):
     return tf.identity(grad, name=name)
 
 
-def make_train_step(replicas, microbatches: int, global_batch_size: int,
-                    schedule: str = "gpipe"):
-    """Returns a tf.function step(iterator) -> global-batch mean loss."""
+def split_microbatches_of(batch, microbatches: int):
+    """(x parts, y parts, w parts), one per micro-batch; any structure of features and labels."""
+    x, y, w = step_math.split_batch(batch)
+    if w is None:   # ones weigh like no weight (x * 1 == x)
+        w = step_math.per_example_weight(tf.ones(tf.shape(tf.nest.flatten(y)[0])[:1]), y)
+
+    def parts_of(structure):
+        leaves = [split_microbatches(t, microbatches) for t in tf.nest.flatten(structure)]
+        return [tf.nest.pack_sequence_as(structure, [leaf[m] for leaf in leaves])
+                for m in range(microbatches)]
+
+    return parts_of(x), parts_of(y), parts_of(w)
+
+
+def _concat(parts):
+    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+
+
+def make_train_step(replicas, microbatches: int, loss_fn, schedule: str = "gpipe",
+                    on_outputs=None, clip=None):
+    """Returns a tf.function step(iterator) -> global-batch loss; on_outputs (the
+    metrics' update) gets the step's (y, y_pred, w).
+
+    `loss_fn(y, y_pred, w)` is one micro-batch's share of the global loss."""
 
     @tf.function
     def train_step(iterator):
-        losses, replica_grads = [], []
+        losses, replica_grads, outputs = [], [], []
         for r, replica in enumerate(replicas):
             with tf.name_scope(INPUT):
-                x, y = next(iterator)  # R consecutive per-replica batches make one global step
-                x_parts = split_microbatches(x, microbatches)
-                y_parts = split_microbatches(y, microbatches)
-            replica_losses, grads = run_replica(replica.stages, x_parts, y_parts,
-                                                global_batch_size, schedule, r)
+                # R consecutive per-replica batches make one global step
+                x_parts, y_parts, w_parts = split_microbatches_of(next(iterator), microbatches)
+            replica_losses, grads, predictions = run_replica(
+                replica.stages, x_parts, y_parts, w_parts, loss_fn, schedule, r)
             losses.extend(replica_losses)
             replica_grads.append(grads)
-        apply_gradients(replicas, replica_grads)
+            outputs.extend(zip(y_parts, predictions, w_parts))
+        apply_gradients(replicas, replica_grads, clip)
+        if on_outputs is not None:
+            on_outputs(tuple(_concat(column) for column in zip(*outputs)))
         return tf.add_n(losses)
 
     return train_step
 
 
-def make_eval_step(replicas):
-    """Returns a tf.function step(iterator) -> (weighted loss sum, correct sum, weight sum)."""
-    # The shared eval math, fed the last stage's logits (the "model" is the identity).
-    sums_from_logits = step_math.replica_eval_step(lambda logits, training: logits)
+def make_eval_step(replicas, loss_fn, on_outputs=None):
+    """Returns a tf.function step(iterator) -> the global batch's loss; on_outputs
+    gets (y, y_pred, w). `loss_fn(y, y_pred, w)` is one replica batch's share."""
 
     @tf.function
     def eval_step(iterator):
-        totals = []
+        losses, outputs = [], []
         for replica in replicas:
-            x, y, weight = next(iterator)
+            x, y, w = step_math.split_batch(next(iterator))
             h = x
             for stage in replica.stages:
                 with tf.device(stage.device):
                     h = stage.model(h, training=False)
             with tf.device(replica.stages[-1].device):
-                totals.append(sums_from_logits(h, y, weight))
-        return tuple(tf.add_n(list(column)) for column in zip(*totals))
+                losses.append(loss_fn(y, h, w))
+            outputs.append(step_math.outputs_of(y, h, w))
+        if on_outputs is not None:
+            on_outputs(tuple(_concat(column) for column in zip(*outputs)))
+        return tf.add_n(losses)
 
     return eval_step

@@ -48,7 +48,8 @@ flags.DEFINE_integer("microbatches", 1, "pipeline: micro-batches per step.")
 flags.DEFINE_string("pipeline_split", None, "pipeline: layer names that begin stages 2..S.")
 flags.DEFINE_string("pipeline_schedule", "gpipe", "pipeline: gpipe or 1f1b.")
 # Model.
-flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer.")
+flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer, or MODULE:FUNCTION (your "
+                    "function returning an uncompiled Keras model; give --loss).")
 flags.DEFINE_string("hidden_sizes", "100,50", "mlp hidden widths.")
 flags.DEFINE_string("filters", "32,64", "cnn / resnet widths.")
 flags.DEFINE_integer("num_layers", 2, "transformer blocks.")
@@ -56,7 +57,9 @@ flags.DEFINE_integer("d_model", 64, "transformer width.")
 flags.DEFINE_integer("num_heads", 4, "transformer attention heads.")
 flags.DEFINE_integer("d_ff", 256, "transformer MLP width.")
 # Data.
-flags.DEFINE_string("dataset", "digits", "digits, text, synthetic, or tfds:NAME.")
+flags.DEFINE_string("dataset", "digits", "digits, text, synthetic, tfds:NAME, or MODULE:FUNCTION "
+                    "(your function returning (train, test): tf.data.Datasets of unbatched "
+                    "(features, label[, weight]) examples or tuples of NumPy arrays).")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data dir.")
 flags.DEFINE_integer("seq_len", 64, "text: characters per example.")
 flags.DEFINE_string("synthetic_shape", "28,28,1", "synthetic: example shape.")
@@ -71,7 +74,13 @@ flags.DEFINE_integer("train_steps", 0, "Steps to train (0: use --epochs).")
 flags.DEFINE_integer("epochs", 0, f"Epochs (0 with --train_steps=0: {cfg.DEFAULT_EPOCHS}).")
 flags.DEFINE_float("learning_rate", None, "Default per optimizer: "
                    + ", ".join(f"{k} {v}" for k, v in cfg.DEFAULT_LEARNING_RATES.items()))
-flags.DEFINE_string("optimizer", "adam", "sgd, momentum, adam, adamw.")
+flags.DEFINE_string("optimizer", "adam", "momentum (SGD with 0.9), or any Keras optimizer: "
+                    + ", ".join(cfg.KERAS_OPTIMIZERS) + ".")
+flags.DEFINE_string("loss", None, "A Keras loss identifier (e.g. mse, "
+                    "sparse_categorical_crossentropy); registry models default to "
+                    "sparse categorical cross-entropy from logits.")
+flags.DEFINE_string("metrics", None, "Comma-separated Keras metric identifiers (e.g. "
+                    "accuracy,auc); registry models default to accuracy.")
 flags.DEFINE_integer("seed", 0, "Seeds weights and the data order.")
 flags.DEFINE_string("trainer", "loop", "loop (tfdist's) or fit (Keras model.fit).")
 flags.DEFINE_string("mixed_precision", None, "mixed_bfloat16 or mixed_float16 (off by default).")
@@ -81,6 +90,9 @@ flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun 
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in --model_dir.")
 flags.DEFINE_string("results_json", None, "Write the results JSON here.")
+flags.DEFINE_string("save_model", None, "Write the trained model to PATH.keras (plain Keras "
+                    "loads it on one device).")
+flags.DEFINE_string("export_dir", None, "Export the trained model as a SavedModel to DIR.")
 flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: at the end only).")
 flags.DEFINE_integer("log_every", 50, "Steps between log lines and TensorBoard scalars.")
 flags.DEFINE_string("profile_steps", None, "START,STOP: profiler trace of those steps.")
@@ -111,11 +123,17 @@ def config_from_flags() -> cfg.RunConfig:
             sharding=FLAGS.sharding),
         global_batch_size=FLAGS.global_batch_size, train_steps=FLAGS.train_steps,
         epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
+        loss=FLAGS.loss, metrics=_names(FLAGS.metrics), save_model=FLAGS.save_model,
+        export_dir=FLAGS.export_dir,
         seed=FLAGS.seed, model_dir=FLAGS.model_dir, checkpoint_every=FLAGS.checkpoint_every,
         keep_checkpoints=FLAGS.keep_checkpoints, results_json=FLAGS.results_json,
         eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
         trainer=FLAGS.trainer)
+
+
+def _names(text):
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def summary(results: dict) -> str:

@@ -1,6 +1,16 @@
 """tfdist: distributed training for Keras 3 on TensorFlow, proven equal to one device.
 
+Your own Keras model (tfdist.api):
+
     import tfdist
+    strategy = tfdist.Strategy("mirrored", simulate_devices=2)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    strategy.fit(model, x, y, batch_size=64, epochs=3)
+
+A registry model from a config (what `python -m experiments.train` runs):
+
     results = tfdist.run(tfdist.RunConfig(strategy="mirrored", simulate_devices=2))
 
 Importing tfdist is cheap; TensorFlow is imported when a run starts.
@@ -8,6 +18,7 @@ Importing tfdist is cheap; TensorFlow is imported when a run starts.
 
 from tfdist.config import DataConfig, ModelConfig, RunConfig
 from tfdist.errors import UsageError
+from tfdist.api import Strategy
 
 __version__ = "0.1.0"
 
@@ -25,4 +36,4 @@ def run(config: RunConfig, **kwargs):
         return runner.run(config, **kwargs)
 
 
-__all__ = ["run", "RunConfig", "ModelConfig", "DataConfig", "UsageError", "__version__"]
+__all__ = ["Strategy", "run", "RunConfig", "ModelConfig", "DataConfig", "UsageError", "__version__"]

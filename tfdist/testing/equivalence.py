@@ -98,3 +98,189 @@ def assert_equivalent(reference: Record, candidate: Record, rtol: float = RTOL) 
     problems += weight_mismatches(reference, candidate, rtol)
     assert not problems, (f"{candidate.label} differs from {reference.label} beyond "
                           f"rtol={rtol}:\n  " + "\n  ".join(problems[:10]))
+
+
+# ----------------------------------------------------------------- a user's own Keras model
+
+class LogRecorder:
+    """A Keras callback keeping every train batch's and epoch's logs (what a user's own
+    callback sees), so two modes' logs can be compared key by key."""
+
+    def __new__(cls):
+        import keras
+
+        class _Recorder(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.batch_logs, self.epoch_logs = [], []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.batch_logs.append(dict(logs or {}))
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.epoch_logs.append(dict(logs or {}))
+
+        return _Recorder()
+
+
+@dataclasses.dataclass
+class KerasRun:
+    """One mode's training of a user's model: per-step losses, every replica's weights
+    (label -> arrays), the variable paths, and the logs its callbacks saw."""
+    label: str
+    losses: List[float]
+    replica_weights: dict
+    paths: List[str]
+    batch_logs: List[dict]
+    epoch_logs: List[dict]
+    stochastic_layers: List[str]
+
+    def record(self, replica: str = None) -> Record:
+        replica = replica or next(iter(self.replica_weights))
+        return Record(f"{self.label} {replica}", self.losses, self.replica_weights[replica])
+
+
+def stochastic_layers(model) -> List[str]:
+    """Layers that draw random numbers while training (Dropout, GaussianNoise, random
+    augmentation...): each holds a keras.random.SeedGenerator. tfdist's guarantee does
+    not cover them: a mode draws its random numbers per replica or per shard."""
+    import keras
+    found, pending = [], list(model.layers)
+    while pending:
+        layer = pending.pop(0)
+        pending.extend(getattr(layer, "layers", []))
+        if any(isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values()):
+            found.append(f"{layer.name} ({type(layer).__name__})")
+    return found
+
+
+def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,
+                fit_kwargs=None, label: str = None, **strategy_options) -> KerasRun:
+    """Trains `build_and_compile()`'s model (built in the strategy's scope, RNG seeded
+    first) with strategy.fit(model, x, y, **fit_kwargs), recording what to compare."""
+    import keras
+    import tfdist
+    tf_strategy = tfdist.Strategy(strategy, seed=seed, **strategy_options)
+    keras.utils.set_random_seed(seed)
+    with tf_strategy.scope():
+        model = build_and_compile()
+    recorder = LogRecorder()
+    kwargs = dict(fit_kwargs or {})
+    kwargs["callbacks"] = list(kwargs.get("callbacks", [])) + [recorder]
+    kwargs.setdefault("verbose", 0)
+    try:
+        tf_strategy.fit(model, x, y, **kwargs)
+        replicas = tf_strategy.replica_models(model)
+        run = KerasRun(label or strategy, list(tf_strategy.last_result.losses),
+                       {name: m.get_weights() for name, m in replicas.items()},
+                       [v.path for v in model.weights], recorder.batch_logs,
+                       recorder.epoch_logs, stochastic_layers(model))
+    finally:
+        tf_strategy.close()
+    return run
+
+
+def log_mismatches(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL) -> List[str]:
+    """The logs every callback saw, batch by batch and epoch by epoch: same keys, values
+    within rtol."""
+    out = []
+    for kind in ("batch_logs", "epoch_logs"):
+        ref_logs, got_logs = getattr(reference, kind), getattr(candidate, kind)
+        if len(ref_logs) != len(got_logs) or not ref_logs:
+            out.append(f"{kind}: {len(got_logs)} vs {len(ref_logs)} entries")
+            continue
+        for index, (ref, got) in enumerate(zip(ref_logs, got_logs)):
+            if sorted(ref) != sorted(got):
+                out.append(f"{kind}[{index}] keys {sorted(got)} vs {sorted(ref)}")
+                continue
+            for key in ref:
+                error = abs(float(got[key]) - float(ref[key])) / max(abs(float(ref[key])), 1e-12)
+                if not error <= rtol:
+                    out.append(f"{kind}[{index}] {key}: {got[key]!r} vs {ref[key]!r} "
+                               f"({error:.2e})")
+    return out
+
+
+@dataclasses.dataclass
+class Report:
+    """What check_equivalence found; `problems` empty means equivalent."""
+    strategy: str
+    problems: List[str]
+    first_step: Optional[int]           # first step whose loss differs, else None
+    first_variable: Optional[str]       # first variable (path) whose final value differs
+    max_loss_error: float
+    stochastic_layers: List[str]
+
+    @property
+    def equivalent(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        if self.stochastic_layers:
+            head = (f"Not covered: the model draws random numbers in "
+                    f"{', '.join(self.stochastic_layers)}; tfdist's modes draw them per "
+                    f"replica or shard, so no mode is step-for-step equal to one device. "
+                    f"Check with those layers disabled (e.g. rate=0).\n")
+        else:
+            head = ""
+        if self.equivalent:
+            return (head + f"{self.strategy} trains like one device: every step's loss within "
+                    f"{self.max_loss_error:.1e} relative, final weights and logs within 1e-5.")
+        where = []
+        if self.first_step is not None:
+            where.append(f"first at step {self.first_step}")
+        if self.first_variable is not None:
+            where.append(f"first variable {self.first_variable}")
+        return (head + f"{self.strategy} differs from one device ({'; '.join(where) or 'see'}"
+                f" below):\n  " + "\n  ".join(self.problems[:12]))
+
+
+def check_equivalence(build_and_compile, x, y=None, *, strategy: str, seed: int = 0,
+                      rtol: float = RTOL, fit_kwargs=None, **strategy_options) -> Report:
+    """Trains the user's model on one device and in `strategy`, and compares per-step
+    losses, every replica's final weights and the callbacks' logs.
+
+        report = tfdist.testing.check_equivalence(make_model, x, y, strategy="mirrored",
+                                                  simulate_devices=2,
+                                                  fit_kwargs=dict(batch_size=64, epochs=1))
+        print(report)          # which step and which variable diverge first, if any
+    """
+    reference = train_keras("default", build_and_compile, x, y, seed=seed,
+                            fit_kwargs=fit_kwargs)
+    candidate = train_keras(strategy, build_and_compile, x, y, seed=seed,
+                            fit_kwargs=fit_kwargs, **strategy_options)
+    return compare_runs(reference, candidate, rtol)
+
+
+def compare_runs(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL) -> Report:
+    ref_record = reference.record()
+    problems = loss_mismatches(ref_record, candidate.record(), rtol)
+    first_step = _first_step(problems)
+    first_variable = None
+    for replica, weights in candidate.replica_weights.items():
+        found = weight_mismatches(ref_record, Record(f"{candidate.label} {replica}",
+                                                     candidate.losses, weights), rtol)
+        problems += [f"{replica}: {p}" for p in found]
+        if found and first_variable is None:
+            first_variable = _first_variable(found, reference.paths)
+    problems += log_mismatches(reference, candidate, rtol)
+    error = (max_relative_loss_error(ref_record, candidate.record())
+             if len(reference.losses) == len(candidate.losses) and reference.losses else
+             float("inf"))
+    return Report(candidate.label, problems, first_step, first_variable, error,
+                  reference.stochastic_layers)
+
+
+def _first_step(problems) -> Optional[int]:
+    for problem in problems:
+        if problem.startswith("step "):
+            return int(problem.split(":")[0].split()[1])
+    return None
+
+
+def _first_variable(problems, paths) -> Optional[str]:
+    for problem in problems:
+        if problem.startswith("weight "):
+            index = int(problem.split()[1].rstrip(":"))
+            return paths[index] if index < len(paths) else f"weight {index}"
+    return None

@@ -27,7 +27,10 @@ setup(
         "test": ["pytest>=9,<10", "pyyaml>=6,<7",
                  "hypothesis>=6.100,<7",   # tests/test_input_fuzzing.py
                  # tests/test_notebooks.py runs colab/*.ipynb headless
-                 "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8"],
+                 "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
+                 # tests/test_dtensor_keras_hub.py: a third-party model (Gemma, Llama);
+                 # pinned so pip never moves TensorFlow or Keras for it
+                 "keras-hub>=0.32,<0.33", "tensorflow-text>=2.21,<2.22"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
 )

@@ -348,17 +348,17 @@ def test_from_backbone_is_its_own_map_converted():
         keras_layouts.from_backbone(keras.layers.Dense(2), MESH)
 
 
-def test_known_defect_a_checkpointed_run_cannot_fingerprint_a_map_layout(tmp_path):
-    """KNOWN DEFECT, recorded so that it is seen: with --model_dir, tfdist/train/
-    checkpoint.py fingerprint() json.dumps config.layout, which a map object is not.
-    The fix is there: "layout": presets.describe(config.layout). This test then fails;
-    turn it into a run that checkpoints and resumes. (Not an xfail: the DTensor
-    process's runner counts only passed tests.)"""
+def test_a_checkpointed_run_with_a_map_layout_resumes(tmp_path):
+    """--model_dir with a map object as the layout: the checkpoint's fingerprint holds
+    the map's rules (presets.describe), and a rerun resumes from the saved step."""
     from tfdist.train import runner
     layout = keras_layouts.from_backbone(keras_hub_models.backbone_class("gemma"), MESH)
-    with pytest.raises(TypeError, match=r"KerasLayoutMap is not JSON serializable"):
-        runner.run(make_config("gemma", "dtensor", "sgd", layout, train_steps=1,
-                               model_dir=str(tmp_path / "run")))
+    model_dir = str(tmp_path / "run")
+    first = runner.run(make_config("gemma", "dtensor", "sgd", layout, train_steps=1,
+                                   model_dir=model_dir))
+    again = runner.run(make_config("gemma", "dtensor", "sgd", layout, train_steps=2,
+                                   model_dir=model_dir))
+    assert len(first["losses"]) == 1 and again["start_step"] == 1 and len(again["losses"]) == 1
 
 
 @pytest.mark.parametrize("kind", ["gemma", "llama"])

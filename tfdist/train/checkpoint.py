@@ -44,12 +44,18 @@ def fingerprint(config, model) -> Dict:
         "optimizer": config.optimizer,
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
-        "layout": config.layout if config.strategy == "dtensor" else None,
+        "layout": _layout_description(config) if config.strategy == "dtensor" else None,
         # A pipeline checkpoint holds per-replica, per-stage objects.
         "pipeline": ([config.pipeline_stages, config.simulate_devices]
                      if config.strategy == "pipeline" else None),
         "variables": [[v.path, list(v.shape)] for v in model.variables],
     }))
+
+
+def _layout_description(config):
+    """--layout as JSON values: a name or file path as given, a map object as its rules."""
+    from tfdist.parallel.dtensor import presets
+    return presets.describe(config.layout)
 
 
 def first_mismatch(saved: Dict, current: Dict) -> Optional[str]:

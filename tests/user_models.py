@@ -114,3 +114,19 @@ def case(name: str, optimizer: str):
 
 def _head(x, n):
     return {k: v[:n] for k, v in x.items()} if isinstance(x, dict) else x[:n]
+
+
+CALLBACK_EPOCHS = 4   # asked for; EarlyStopping below ends the run after the 2nd
+
+
+def file_callbacks(files_dir):
+    """Keras' own callbacks that write files or take decisions from the logs."""
+    import os
+    return [keras.callbacks.ModelCheckpoint(os.path.join(files_dir, "ckpt_{epoch}.keras")),
+            keras.callbacks.TensorBoard(os.path.join(files_dir, "tensorboard")),
+            keras.callbacks.CSVLogger(os.path.join(files_dir, "log.csv")),
+            # min_delta larger than any improvement: stops after the 2nd epoch
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1e9),
+            # likewise: halves the learning rate from the 2nd epoch on
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=1e9,
+                                              factor=0.5)]

@@ -1,0 +1,74 @@
+"""The public API under multi_worker_mirrored: 2 real worker processes on loopback
+(`tfdist launch`), users' own models (tests/user_models.py), over TF's collectives
+(auto) and tfdist's ring (tcp). Every worker's per-step losses, final weights and
+callback logs equal one device's (1e-5); Keras' callbacks take the same decisions on
+every worker (EarlyStopping's epoch, ReduceLROnPlateau's rate) and only the chief
+leaves files (one set of checkpoints, one TensorBoard run, one CSV, one model)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import user_models
+from helpers import REPO
+from tfdist.testing import equivalence
+
+CASES = ("softmax_weighted:adamw_cosine", "dict_regression:sgd_nesterov")  # last: callbacks
+
+
+def launch(collective, out_dir):
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable,
+         "tests/workers/keras_api_cases.py", collective, ",".join(CASES), str(out_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def one_device(case, files_dir):
+    name, optimizer = case.split(":")
+    build, x, y, fit_kwargs = user_models.case(name, optimizer)
+    callbacks = []
+    if case == CASES[-1]:
+        fit_kwargs["epochs"] = user_models.CALLBACK_EPOCHS
+        callbacks = user_models.file_callbacks(str(files_dir))
+    fit_kwargs["callbacks"] = callbacks
+    return equivalence.train_keras("default", build, x, y, fit_kwargs=fit_kwargs)
+
+
+def worker_run(out_dir, case, rank, paths):
+    stem = os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}")
+    with open(stem + ".json") as f:
+        record = json.load(f)
+    return record, equivalence.KerasRun(
+        f"2 workers rank {rank}", record["losses"],
+        {f"rank {rank}": equivalence.load_weights(stem + ".npz")}, paths,
+        record["batch_logs"], record["epoch_logs"], [])
+
+
+@pytest.mark.parametrize("collective", ["auto", "tcp"])
+def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
+    result = launch(collective, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for case in CASES:
+        reference = one_device(case, tmp_path / "one_device_files")
+        records = []
+        for rank in (0, 1):
+            record, run = worker_run(tmp_path, case, rank, reference.paths)
+            report = equivalence.compare_runs(reference, run)
+            assert report.equivalent, f"{case} over {collective}: {report}"
+            records.append(record)
+        assert records[0]["epochs"] == records[1]["epochs"]
+        assert records[0]["learning_rate"] == records[1]["learning_rate"]
+    # The callbacks case: EarlyStopping ended both workers after the 2nd of 4 epochs,
+    # ReduceLROnPlateau halved the rate once (after the 2nd: the 1st is always "better").
+    assert records[0]["epochs"] == 2 and records[0]["learning_rate"] == pytest.approx(0.025)
+    files = tmp_path / "files"
+    assert sorted(p.name for p in files.iterdir()) == [
+        "ckpt_1.keras", "ckpt_2.keras", "final.keras", "log.csv", "tensorboard"]
+    events = sorted(str(p.relative_to(files)) for p in (files / "tensorboard").rglob("*")
+                    if p.is_file())
+    assert len(events) == 2 and {e.split(os.sep)[1] for e in events} == {"train", "validation"}
+    assert len((files / "log.csv").read_text().strip().splitlines()) == 1 + 2

@@ -193,7 +193,11 @@ class Strategy:
             from tfdist.train import step as step_math
             x, _, _ = step_math.split_batch(sample_batch)
             with self.parallel.scope():
-                model(_first_example(x), training=False)
+                model(step_math.first_example(x), training=False)
+        from tfdist.parallel.base import require_compiled
+        from tfdist.train import checks
+        require_compiled(model)
+        checks.check_model_on_example(model, sample_batch)
         metrics.build_metrics(model, sample_batch)
         self._adopted[id(model)] = self.parallel.adopt(model)
         return self._adopted[id(model)]
@@ -211,11 +215,6 @@ def _option_names():
 
 def _verbosity(verbose) -> int:
     return 1 if verbose == "auto" else int(verbose)
-
-
-def _first_example(x):
-    import tensorflow as tf
-    return tf.nest.map_structure(lambda t: t[:1], x)
 
 
 def _require_keras_model(model) -> None:

@@ -34,7 +34,7 @@ def build_metrics(model, batch) -> None:
     one real example through the model does the same with public calls only."""
     from tfdist.train import step as step_math
     x, y, w = step_math.split_batch(batch)
-    x, y, w = tf.nest.map_structure(lambda t: t[:1], (x, y, w))
+    x, y, w = step_math.first_example((x, y, w))
     model.compute_metrics(x, y, model(x, training=False), w)
     model.reset_metrics()
 

@@ -42,6 +42,11 @@ def per_example_weight(w, y):
     return tf.reshape(w, [-1] + [1] * (y.shape.rank - 1))
 
 
+def first_example(structure):
+    """The first example of every tensor of a batch structure (None stays None)."""
+    return tf.nest.map_structure(lambda t: None if t is None else t[:1], structure)
+
+
 def forward_loss(model, x, y, sample_weight, training: bool):
     """(loss, y_pred): the model's compiled loss on this batch, Keras-reduced."""
     y_pred = model(x, training=training)

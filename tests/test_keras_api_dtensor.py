@@ -66,3 +66,18 @@ def test_sharded_weights_are_split_and_the_saved_model_is_whole(tmp_path):
     served = tf.saved_model.load(str(tmp_path / "served"))
     out = served.serve({k: tf.constant(v) for k, v in head.items()})
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_the_keras_io_guide_under_dtensor_trains_like_one_device():
+    """keras-io's guide (examples/keras_io_guide.py) with a Megatron-style layout map."""
+    import os
+    import sys
+    from helpers import REPO
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import keras_io_guide
+    runs = {}
+    for mode in ("default", "dtensor"):
+        strategy, model, _, _ = keras_io_guide.main(mode, 1)
+        runs[mode] = equivalence.Record(mode, list(strategy.last_result.losses),
+                                        model.get_weights())
+    equivalence.assert_equivalent(runs["default"], runs["dtensor"])

@@ -172,8 +172,12 @@ class Strategy:
     def _validation(self, validation_data, config, global_batch_size):
         if validation_data is None:
             return None
-        data = _Data.of(validation_data, None, None, global_batch_size, False,
-                        "validation_data", split_tuple=True)
+        import tensorflow as tf
+        # A Dataset comes batched, as Keras takes it; its examples are evaluated in
+        # global batches of the training's size either way.
+        batch_size = None if isinstance(validation_data, tf.data.Dataset) else global_batch_size
+        data = _Data.of(validation_data, None, None, batch_size, False, "validation_data",
+                        split_tuple=True)
         return data.eval_data(config)
 
     def _loop(self, model, config, sample_batch):

@@ -150,8 +150,11 @@ class TrainingLoop:
         history = keras.callbacks.History()
         callbacks = self._callback_list(plan, history)
         # Batch logs cost a metric read (and, across workers, a sum) per step: only
-        # computed when a callback has batch hooks (as Keras skips them too).
-        wants_batch_logs = any(implements_batch_hooks(c) for c in callbacks.callbacks)
+        # computed when a callback has batch hooks (as Keras skips them too). Every
+        # worker must take part in those sums, so the workers agree once, here: the
+        # chief's progress bar (or any worker's own callback) decides for all.
+        wants_batch_logs = self.parallel.any_process(
+            any(implements_batch_hooks(c) for c in callbacks.callbacks))
         iterator = iter(self.parallel.distribute(plan.train_dataset_fn(start_step)))
         progress = Progress(plan.total_steps, config.global_batch_size, config.log_every,
                             enabled=self.parallel.is_chief and plan.progress)

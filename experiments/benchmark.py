@@ -47,7 +47,8 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak", "chaos")
+SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak",
+          "chaos", "api_fit")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
@@ -168,6 +169,9 @@ def main(argv):
             os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
             from tfdist.benchmarks import input_pipeline  # imports TF: after the thread limits
             rows = input_pipeline.compare(FLAGS.steps, FLAGS.trials)
+        elif FLAGS.suite == "api_fit":
+            from tfdist.benchmarks import api_fit
+            rows = api_fit.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "soak":
             rows = run_soak_suite()
         elif FLAGS.suite == "chaos":

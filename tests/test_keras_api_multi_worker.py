@@ -16,7 +16,8 @@ import user_models
 from helpers import REPO
 from tfdist.testing import equivalence
 
-CASES = ("softmax_weighted:adamw_cosine", "dict_regression:sgd_nesterov")  # last: callbacks
+CASES = ("softmax_weighted:adamw_cosine", "subclassed:sgd_nesterov", "softmax_weighted:rmsprop",
+         "dict_regression:sgd_nesterov")  # the last one also runs the file-writing callbacks
 
 
 def launch(collective, out_dir):
@@ -72,3 +73,12 @@ def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
                     if p.is_file())
     assert len(events) == 2 and {e.split(os.sep)[1] for e in events} == {"train", "validation"}
     assert len((files / "log.csv").read_text().strip().splitlines()) == 1 + 2
+    # The chief's .keras file, loaded by plain Keras here, predicts what both workers did.
+    import keras
+    import numpy as np
+    x, _, _ = user_models.regression_arrays()
+    loaded = keras.saving.load_model(str(files / "final.keras"))
+    for rank in (0, 1):
+        np.testing.assert_allclose(loaded.predict({k: v[:16] for k, v in x.items()}, verbose=0),
+                                   np.load(tmp_path / f"predictions.rank{rank}.npy"),
+                                   rtol=1e-6, atol=1e-7)

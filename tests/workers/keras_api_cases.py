@@ -56,6 +56,9 @@ def main(collective: str, cases: str, out_dir: str) -> None:
                  *model.get_weights())
         if last:
             strategy.save(model, os.path.join(out_dir, "files", "final.keras"))
+            head = {k: v[:16] for k, v in x.items()} if isinstance(x, dict) else x[:16]
+            np.save(os.path.join(out_dir, f"predictions.rank{rank}.npy"),
+                    strategy.predict(model, head))
     strategy.close()
 
 

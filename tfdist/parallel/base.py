@@ -1,9 +1,10 @@
 """The Parallelism interface: everything the training loop needs from a mode.
 
-A mode decides where variables live (`scope`), how a dataset_fn becomes
-per-step inputs (`distribute`), how one training and one eval step run across
-its devices, and where the bytes of state ended up. The loop never asks which
-mode it runs.
+A mode decides where variables live (`scope`), what it does to a user's compiled
+model (`adopt`: nothing, shard it, or place copies of it), how a dataset_fn
+becomes per-step inputs (`distribute`), how one training and one eval step run
+across its devices, and where the bytes of state ended up. The loop never asks
+which mode it runs.
 """
 
 import abc
@@ -65,12 +66,15 @@ class Parallelism(abc.ABC):
 
     @abc.abstractmethod
     def make_train_step(self, model, optimizer, global_batch_size: int,
-                        jit_compile: bool) -> Callable:
-        """Returns step(iterator) -> the global-batch mean loss (a scalar tensor)."""
+                        jit_compile: bool, on_outputs: Callable = None) -> Callable:
+        """Returns step(iterator) -> the global batch's loss (the model's compiled loss,
+        a scalar tensor). `on_outputs((y, y_pred, w))`, the metrics' update, is called
+        with this process's share of the step's labels, predictions and weights."""
 
     @abc.abstractmethod
-    def make_eval_step(self, model) -> Callable:
-        """Returns step(iterator) -> (weighted loss sum, weighted correct sum, weight sum)."""
+    def make_eval_step(self, model, on_outputs: Callable = None) -> Callable:
+        """Returns step(iterator) -> the global batch's loss, its padding weighing 0;
+        on_outputs as for make_train_step."""
 
     @abc.abstractmethod
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:

@@ -24,12 +24,24 @@ def test_equal_records_match():
     (W[:1], "b has 1 weights, a has 2"),
     ([W[0].T, W[1]], "weight 0: shape (3, 2) vs (2, 3)"),
     ([W[0][:1], W[1]], "weight 0: shape (1, 3) vs (2, 3)"),  # would broadcast
-    ([W[0] * 1.001, W[1]], "weight 0 (2, 3): relative error 1.00e-03"),
-    ([W[0], W[1] * np.nan], "weight 1 (3,): relative error nan"),
+    ([W[0] * 1.001, W[1]], "weight 0 (2, 3): relative error 1.00e-03, largest difference "
+                           f"{np.max(np.abs(W[0] * 0.001)):.1e}"),
+    ([W[0], W[1] * np.nan], "weight 1 (3,): relative error nan, largest difference nan"),
 ])
 def test_weight_mismatches_are_found(candidate, expected):
     assert equivalence.weight_mismatches(Record("a", [1.0], W),
                                          Record("b", [1.0], candidate)) == [expected]
+
+
+def test_a_variable_near_zero_is_held_to_the_absolute_bound():
+    """A bias that ended at 0.02 passes with differences of float32's O(1) rounding
+    (relative to itself they exceed 1e-5), and fails beyond ATOL."""
+    small = [np.array([0.024], np.float32)]
+    rounding = [small[0] + np.float32(2.6e-7)]
+    assert np.linalg.norm(rounding[0] - small[0]) / np.linalg.norm(small[0]) > 1e-5
+    assert not equivalence.weight_mismatches(Record("a", [1.0], small), Record("b", [1.0], rounding))
+    off = [small[0] + np.float32(5e-6)]
+    assert equivalence.weight_mismatches(Record("a", [1.0], small), Record("b", [1.0], off))
 
 
 def test_nothing_to_compare_is_a_mismatch():

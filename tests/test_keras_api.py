@@ -100,3 +100,33 @@ def test_the_trained_model_comes_out_whole(mode, tmp_path):
     np.testing.assert_allclose(served.serve({k: tf.constant(v) for k, v in head.items()}),
                                expected, rtol=1e-6, atol=1e-7)
     assert loaded.optimizer.__class__.__name__ == "SGD" and loaded.loss == "mse"
+
+
+def _callbacks():
+    import keras
+    return [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5 ** epoch),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1e9)]
+
+
+@functools.lru_cache(maxsize=None)
+def one_device_with_callbacks():
+    build, x, y, fit_kwargs = user_models.case("dict_regression", "sgd_nesterov")
+    fit_kwargs.update(epochs=4, callbacks=_callbacks())
+    return equivalence.train_keras("default", build, x, y, fit_kwargs=fit_kwargs)
+
+
+@pytest.mark.parametrize("mode", ["mirrored", "pipeline", "pipeline_hybrid_2x2"])
+def test_keras_callbacks_decide_as_on_one_device(mode):
+    """LearningRateScheduler sets the rate every epoch (the pipeline's stage optimizers
+    follow it), EarlyStopping ends the run after the 2nd of 4 epochs, and the logs a
+    recording callback sees are one device's."""
+    build, x, y, fit_kwargs = user_models.case("dict_regression", "sgd_nesterov")
+    fit_kwargs.update(epochs=4, callbacks=_callbacks())
+    options = dict(MODES[mode])
+    candidate = equivalence.train_keras(options.pop("strategy"), build, x, y,
+                                        fit_kwargs=fit_kwargs, label=mode, **options)
+    reference = one_device_with_callbacks()
+    assert len(reference.epoch_logs) == 2
+    assert reference.epoch_logs[-1]["learning_rate"] == pytest.approx(0.025)
+    report = equivalence.compare_runs(reference, candidate)
+    assert report.equivalent, str(report)

@@ -81,3 +81,21 @@ def test_the_keras_io_guide_under_dtensor_trains_like_one_device():
         runs[mode] = equivalence.Record(mode, list(strategy.last_result.losses),
                                         model.get_weights())
     equivalence.assert_equivalent(runs["default"], runs["dtensor"])
+
+
+def test_keras_callbacks_decide_as_on_one_device_under_dtensor():
+    import keras
+
+    def callbacks():
+        return [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5 ** epoch),
+                keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1e9)]
+
+    runs = {}
+    for mode, options in (("default", {}), ("dtensor", dict(
+            simulate_devices=4, mesh="batch=2,model=2", layout=LAYOUTS["dict_regression"]))):
+        build, x, y, fit_kwargs = user_models.case("dict_regression", "sgd_nesterov")
+        fit_kwargs.update(epochs=4, callbacks=callbacks())
+        runs[mode] = equivalence.train_keras(mode, build, x, y, fit_kwargs=fit_kwargs, **options)
+    assert len(runs["default"].epoch_logs) == 2
+    report = equivalence.compare_runs(runs["default"], runs["dtensor"])
+    assert report.equivalent, str(report)

@@ -3,7 +3,8 @@
 Every parallel mode is held to this: per-step losses and final weights within
 `rtol` (1e-5, float32) of the single-device `default` run with the same seed and
 global batch. Weights are compared per variable by relative norm,
-||candidate - reference|| / ||reference||, which is robust to entries near 0.
+||candidate - reference|| / ||reference||, which is robust to entries near 0; a
+variable whose values all ended near 0 passes with every difference within ATOL.
 """
 
 import dataclasses
@@ -13,6 +14,11 @@ from typing import List, Optional
 import numpy as np
 
 RTOL = 1e-5
+# A variable whose final values are near 0 (a bias that ended at 0.02, say) is held to
+# an absolute bound instead: float32 keeps ~7 digits of the O(lr * grad) updates that
+# built it, not of its own small value (measured: out/bias 0.024 differed by 2.6e-7 after
+# 16 steps on a mesh, 1.06e-5 relative, while every kernel was within 2.5e-7 relative).
+ATOL = 1e-6
 
 
 @dataclasses.dataclass
@@ -80,8 +86,10 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL) 
             out.append(f"weight {index}: shape {got.shape} vs {ref.shape}")
             continue
         error = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
-        if not error <= rtol:  # also NaN
-            out.append(f"weight {index} {ref.shape}: relative error {error:.2e}")
+        largest = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+        if not (error <= rtol or largest <= ATOL):  # also NaN
+            out.append(f"weight {index} {ref.shape}: relative error {error:.2e}, largest "
+                       f"difference {largest:.1e}")
     return out
 
 

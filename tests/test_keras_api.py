@@ -130,3 +130,21 @@ def test_keras_callbacks_decide_as_on_one_device(mode):
     assert reference.epoch_logs[-1]["learning_rate"] == pytest.approx(0.025)
     report = equivalence.compare_runs(reference, candidate)
     assert report.equivalent, str(report)
+
+
+def test_a_rerun_on_the_same_model_dir_resumes_exactly(tmp_path):
+    """model_dir: a run stopped after epoch 1 and rerun for 2 epochs trains epoch 2 only,
+    and its losses and final weights are those of one uninterrupted run."""
+    build, x, y, fit_kwargs = user_models.case("dict_regression", "sgd_nesterov")
+    whole = equivalence.train_keras("mirrored", build, x, y, fit_kwargs=fit_kwargs,
+                                    simulate_devices=2)
+    first_epoch = dict(fit_kwargs, epochs=1)
+    first = equivalence.train_keras("mirrored", build, x, y, fit_kwargs=first_epoch,
+                                    simulate_devices=2, model_dir=str(tmp_path))
+    rest = equivalence.train_keras("mirrored", build, x, y, fit_kwargs=fit_kwargs,
+                                   simulate_devices=2, model_dir=str(tmp_path))
+    steps = user_models.EXAMPLES // user_models.GLOBAL_BATCH
+    assert len(first.losses) == steps and len(rest.losses) == steps
+    resumed = equivalence.Record("resumed", first.losses + rest.losses,
+                                 rest.replica_weights["model"])
+    equivalence.assert_equivalent(whole.record(), resumed)

@@ -97,8 +97,10 @@ def train_with_optimizer(config, optimizer_fn, label):
     source = data.get_source(config.data)
     keras.mixed_precision.set_dtype_policy("float32")
     keras.utils.set_random_seed(config.seed)
-    model, optimizer = mode.build_model_and_optimizer(
-        lambda: models.build_model(source.info, config.model), optimizer_fn)
+    with mode.scope():   # compiled as tfdist.run compiles a registry model
+        model = models.build_model(source.info, config.model)
+        model.compile(optimizer=optimizer_fn(), loss=runner.registry_loss())
+    model, optimizer = mode.adopt(model)
     try:
         losses = runner.train(config, mode, source, model, optimizer, config.train_steps).losses
     finally:
@@ -325,6 +327,8 @@ def test_megatron_mlp_block_has_one_all_reduce_each_way():
     x = keras.layers.Dense(64, activation="relu", name="mlp_fc_in")(x)
     x = keras.layers.Dense(16, name="mlp_fc_out")(x)
     model = keras.Model(inputs, keras.layers.Dense(10, name="head")(x))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))   # the step trains with the compiled loss
     rules = {k.replace(r"block_\d+/", ""): v for k, v in presets.MEGATRON_TRANSFORMER.items()
              if "mlp_fc" in k}
     specs = LayoutMap(rules).resolve([(v.path, v.shape) for v in model.variables],
@@ -335,7 +339,7 @@ def test_megatron_mlp_block_has_one_all_reduce_each_way():
     step = dtensor_step.make_train_step(model, optimizer, slots, global_batch_size=8)
     x = sharding.pack(np.ones((8, 16), "float32"), dtensor.Layout.batch_sharded(mesh, "batch", 2))
     y = sharding.pack(np.arange(8, dtype="int32"), dtensor.Layout.batch_sharded(mesh, "batch", 1))
-    collectives = collectives_on_one_device(step.sharded_step, x, y)
+    collectives = collectives_on_one_device(step.sharded_step, (x, y))
     forward = [n for n in collectives if "gradient_tape" not in n]
     backward = [n for n in collectives if "gradient_tape" in n]
     assert len(forward) == 1 and "mlp_fc_out" in forward[0], collectives

@@ -13,7 +13,9 @@ from tfdist.train import optimizers, runner
 
 @pytest.mark.parametrize("overrides,expected", [
     (dict(strategy="mirorred"), "Unknown strategy 'mirorred'. Valid strategy names: default"),
-    (dict(optimizer="lamb"), "Valid choices: sgd, momentum, adam, adamw"),
+    (dict(optimizer="lambda"), "Unknown --optimizer 'lambda'. Valid choices: adadelta, "
+                               "adafactor, adagrad, adam, adamax, adamw, ftrl, lamb, lion, "
+                               "momentum, muon, nadam, rmsprop, sgd"),
     (dict(global_batch_size=0), "--global_batch_size must be > 0, got 0"),
     (dict(train_steps=-5), "--train_steps must be >= 0, got -5"),
     (dict(learning_rate=-0.1), "--learning_rate must be > 0, got -0.1"),

@@ -148,3 +148,59 @@ def test_a_rerun_on_the_same_model_dir_resumes_exactly(tmp_path):
     resumed = equivalence.Record("resumed", first.losses + rest.losses,
                                  rest.replica_weights["model"])
     equivalence.assert_equivalent(whole.record(), resumed)
+
+
+def test_a_named_dataset_and_a_dataset_fn_train_like_one_device():
+    """fit on a dataset name (its train split; evaluate reads its test split), and on a
+    user's dataset_fn(input_context), under mirrored x2, equal to one device."""
+    import keras
+    import tensorflow as tf
+
+    def build():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                  keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y, _ = user_models.classification_arrays()
+
+    def dataset_fn(context):
+        """The user's own: in order, sharded by input pipeline, per-replica batches."""
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shard(
+            context.num_input_pipelines, context.input_pipeline_id)
+        return data.batch(context.get_per_replica_batch_size(32), drop_remainder=True).repeat()
+
+    def build_mlp():
+        model = user_models.softmax_classifier()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        return model
+
+    for data, builder, kwargs in (("digits", build, dict(batch_size=64, epochs=1)),
+                                  (dataset_fn, build_mlp, dict(batch_size=32, epochs=2,
+                                                               steps_per_epoch=5))):
+        runs = [equivalence.train_keras(mode, builder, data, fit_kwargs=kwargs, **options)
+                for mode, options in (("default", {}), ("mirrored", dict(simulate_devices=2)))]
+        assert len(runs[0].losses) >= 10
+        report = equivalence.compare_runs(*runs)
+        assert report.equivalent, str(report)
+
+
+def test_global_clipnorm_is_computed_over_every_pipeline_stage():
+    """global_clipnorm under pipeline: the norm over all stages' gradients (each stage
+    optimizer alone would clip by its own part), equal to one device; the threshold
+    is low enough that every step clips."""
+    import keras
+    build, x, y, fit_kwargs = user_models.case("dict_regression", "sgd_nesterov")
+
+    def clipped():
+        model = user_models.two_input_regressor()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, global_clipnorm=0.05), loss="mse")
+        return model
+
+    runs = [equivalence.train_keras(mode, clipped, x, y, fit_kwargs=fit_kwargs, **options)
+            for mode, options in (("default", {}), ("pipeline", dict(
+                simulate_devices=4, pipeline_stages=2, microbatches=2)))]
+    report = equivalence.compare_runs(*runs)
+    assert report.equivalent, str(report)

@@ -247,11 +247,12 @@ def _redirect_files(callbacks, parallel):
 class _Data:
     """The user's data (arrays, a Dataset, a dataset_fn) as tfdist's input pipeline."""
 
-    def __init__(self, source, dataset_fn, global_batch_size, shuffle):
+    def __init__(self, source, dataset_fn, global_batch_size, shuffle, named=False):
         self.source = source            # a DatasetSource, or None for a user dataset_fn
         self.dataset_fn = dataset_fn
         self.global_batch_size = global_batch_size
         self.shuffle = shuffle
+        self.named = named              # a named dataset: evaluation reads its test split
 
     @classmethod
     def of(cls, x, y, sample_weight, batch_size, shuffle, what, split_tuple=False):
@@ -259,6 +260,12 @@ class _Data:
         from tfdist.data import user
         if split_tuple and isinstance(x, (tuple, list)):
             x, y, sample_weight = (tuple(x) + (None, None))[:3]
+        if isinstance(x, str):   # a registry dataset, tfds:NAME or MODULE:FUNCTION
+            require(y is None and sample_weight is None,
+                    f"The {what} is the dataset name {x!r}: its examples carry the labels; "
+                    f"do not pass y or sample_weight too.")
+            return cls(user.as_source(x, cfg.DataConfig()), None,
+                       batch_size or KERAS_DEFAULT_BATCH, shuffle, named=True)
         if callable(x) and not isinstance(x, tf.data.Dataset):
             require(batch_size, f"The {what} is a dataset_fn(input_context); give batch_size "
                                 f"(the global batch its per-replica batches add up to).")
@@ -300,7 +307,8 @@ class _Data:
         require(self.source is not None,
                 "evaluation on a dataset_fn(input_context) is not supported yet; give arrays "
                 "or a tf.data.Dataset (every example is then evaluated exactly once).")
-        test = user.UserSource({"test": self.source.examples("train")}, "evaluation")
+        test = self.source if self.named else user.UserSource(
+            {"test": self.source.examples("train")}, "evaluation")
         return EvalData(pipeline.eval_dataset_fn(test, config.global_batch_size, config.data),
                         pipeline.eval_steps(test, config.global_batch_size),
                         test.info.size("test"))

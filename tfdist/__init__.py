@@ -23,6 +23,13 @@ from tfdist.api import Strategy
 __version__ = "0.1.0"
 
 
+def enable_keras_distribution():
+    """Makes keras.distribution (DataParallel, ModelParallel, LayoutMap, ...) work on the
+    TensorFlow backend; see tfdist.keras_distribution."""
+    from tfdist import keras_distribution
+    return keras_distribution.enable()
+
+
 def run(config: RunConfig, **kwargs):
     """Trains according to `config`; see tfdist.train.runner.run.
 
@@ -36,4 +43,4 @@ def run(config: RunConfig, **kwargs):
         return runner.run(config, **kwargs)
 
 
-__all__ = ["Strategy", "run", "RunConfig", "ModelConfig", "DataConfig", "UsageError", "__version__"]
+__all__ = ["Strategy", "enable_keras_distribution", "run", "RunConfig", "ModelConfig", "DataConfig", "UsageError", "__version__"]

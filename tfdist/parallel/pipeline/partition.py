@@ -1,20 +1,45 @@
 """Cutting a built Keras model into S pipeline stages.
 
-A model is a list of layers in topological order (a functional model's
-`model.layers`, input layers dropped; a Sequential's layers). A *cut* before
-layer i is valid when exactly one tensor crosses it: one tensor produced by the
-model inputs or layers [0, i) is consumed by layers [i, L) or is a model output.
-Then stage k can be a sub-model from one boundary tensor to the next, and the
-only activation sent between stages (and the only gradient sent back) is that
-tensor. A residual block, for example, can only be cut between blocks.
+A model is a list of operations in topological order (a functional model's
+`model.operations`, input layers dropped, so that keras.ops calls such as
+keras-hub's `x * sqrt(hidden_dim)` belong to a stage too; a Sequential's
+layers). A *cut* before operation i sends, from stage to stage, every tensor
+that crosses it: produced by the model inputs or operations [0, i) and consumed
+by operations [i, L) or a model output. Because the order is topological, every
+consumed tensor was produced before its consumer, so any cut is valid as long as
+
+- the stages before it compute something that crosses it (not only model inputs), and
+- at most MAX_BOUNDARY_TENSORS tensors cross it.
+
+A stage is then a sub-model from the tuple of tensors crossing the cut before it
+to the tuple crossing the cut after it (a single tensor when one crosses, as in a
+chain of layers). Model inputs that later layers read (a keras-hub backbone's
+padding mask, read by every decoder block) travel along the stages as boundary
+tensors. Forward, every boundary tensor is sent; backward, the gradient of each
+float tensor computed by a layer (integer and boolean tensors, and model inputs,
+have none to send).
+
+Why the cap (our choice): each crossing tensor is one more send per micro-batch
+forward, and one more backward if it is float. A cut that many tensors cross is
+usually a cut through the middle of a wide block (a U-Net's skips, a DenseNet
+block), where a nearby cut between blocks is far cheaper; four covers a hidden
+state plus a mask plus a couple of skips.
+
+Automatic balancing (no --pipeline_split) is more careful: it only cuts where ONE
+computed tensor crosses, with any number of model inputs riding along (the
+padding mask). Those are the cuts between blocks. A cut inside a residual block
+sends the skip and the branch, twice the traffic of the cut after the block, and
+the cost model below cannot weigh that against the parameters it balances; so
+such a cut is made only where the user names it in --pipeline_split.
 
 Cost model (our choice): a layer costs its number of parameters (trainable and
 non-trainable elements). That is exactly what placement divides among devices
 (parameters, and optimizer slots in proportion), it needs no input shape, and
 for the dense layers of an MLP or transformer it is proportional to FLOPs per
 token. It undercounts convolutions (whose weights are reused at every spatial
-position) and attention scores; give --pipeline_split for those models if the
-automatic split is lopsided. With no split given, cuts are chosen to minimise
+position) and attention scores, and ignores what the boundary tensors cost to
+send; give --pipeline_split for those models if the automatic split is
+lopsided. With no split given, cuts are chosen among the valid ones to minimise
 the most expensive stage (ties: the earliest cuts).
 """
 
@@ -26,6 +51,20 @@ import keras
 from tfdist.errors import require
 from tfdist.parallel.pipeline_balance import balanced_cuts
 
+MAX_BOUNDARY_TENSORS = 4   # tensors a cut may send per micro-batch (see the module doc)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryTensor:
+    """One tensor crossing a cut, named so that it can be found again in a clone."""
+    producer: Optional[str]  # name of the operation producing it; None: a model input
+    index: int               # its position in flatten(producer.output), or in model.inputs
+    name: str                # the tensor's name, for messages
+    differentiable: bool     # float and computed by a layer: its gradient is sent back
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.producer or 'model input'})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -33,7 +72,8 @@ class Stage:
     layers: Tuple[str, ...]
     params: int
     cost: int
-    output_layer: Optional[str]  # layer producing the boundary tensor after it; None: last stage
+    output_layer: Optional[str]  # producer of the first tensor it sends; None: last stage
+    boundary: Tuple[BoundaryTensor, ...] = ()  # what it sends to the next stage, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +92,10 @@ class Partition:
         lines = [f"pipeline partition: {len(self.stages)} stages, cost = {self.cost_model}, "
                  f"imbalance (max/mean cost) {self.imbalance:.2f}"]
         for stage in self.stages:
+            sends = (f"; sends {', '.join(t.describe() for t in stage.boundary)}"
+                     if len(stage.boundary) > 1 else "")
             lines.append(f"  stage {stage.index}: {stage.params} params, cost {stage.cost}, "
-                         f"layers {', '.join(stage.layers)}")
+                         f"layers {', '.join(stage.layers)}{sends}")
         return "\n".join(lines)
 
 
@@ -73,11 +115,16 @@ def refuse_uncuttable(model) -> None:
 
 
 def chain_layers(model) -> List:
-    """The model's layers in topological order, without input layers."""
-    return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    """The model's operations in topological order, without input layers.
+
+    A functional model's `operations` (public in Keras 3) also hold the keras.ops
+    calls made on symbolic tensors (a `Multiply` for `x * 2`), which `layers` omits;
+    each must run in some stage. A Sequential has only layers."""
+    operations = model.operations if hasattr(model, "operations") else model.layers
+    return [op for op in operations if not isinstance(op, keras.layers.InputLayer)]
 
 
-def _tensors(structure) -> list:
+def flat_tensors(structure) -> list:
     return [t for t in keras.tree.flatten(structure) if t is not None]
 
 
@@ -90,37 +137,63 @@ def _single_node_layers(layers) -> None:
                 f"pipeline stages need each layer used once.")
 
 
-def crossing_tensors(model, layers, cut: int) -> list:
-    """Tensors produced before layer `cut` and used at or after it (or model outputs)."""
-    produced = {id(t): t for t in _tensors(model.inputs)}
+def _produced_before(model, layers, cut: int) -> dict:
+    """id(tensor) -> BoundaryTensor for the model inputs and the outputs of layers[:cut],
+    in production order."""
+    produced = {}
+    for index, t in enumerate(flat_tensors(model.inputs)):
+        produced[id(t)] = (t, BoundaryTensor(None, index, t.name, False))
     for layer in layers[:cut]:
-        produced.update({id(t): t for t in _tensors(layer.output)})
-    used_later = [t for layer in layers[cut:] for t in _tensors(layer.input)]
-    used_later += _tensors(model.outputs)
-    crossing = {}
-    for t in used_later:
-        if id(t) in produced:
-            crossing[id(t)] = t
-    return list(crossing.values())
+        for index, t in enumerate(flat_tensors(layer.output)):
+            floating = "float" in str(t.dtype)   # int and bool tensors have no gradient
+            produced[id(t)] = (t, BoundaryTensor(layer.name, index, t.name, floating))
+    return produced
 
 
-def _cut_problem(model, layers, cut: int) -> Optional[str]:
-    """None when a stage may start at layers[cut]; else why not."""
-    crossing = crossing_tensors(model, layers, cut)
-    if len(crossing) == 1 and id(crossing[0]) in {id(t) for t in _tensors(model.inputs)}:
-        return (f"the model input goes straight to '{layers[cut].name}', so the stages "
-                f"before it would compute nothing that is used")
-    if len(crossing) == 1:
-        return None
-    names = ", ".join(getattr(t, "name", "?") for t in crossing)
-    return (f"{len(crossing)} tensors cross the cut before '{layers[cut].name}' ({names}); "
-            f"a stage boundary must pass exactly one tensor (e.g. cut between residual blocks)")
+def crossing_tensors(model, layers, cut: int) -> list:
+    """Tensors produced before layer `cut` and used at or after it (or model outputs),
+    in production order (model inputs first)."""
+    return [t for t, _ in _crossing(model, layers, cut)]
+
+
+def boundary_tensors(model, layers, cut: int) -> Tuple[BoundaryTensor, ...]:
+    """What a stage ending before layers[cut] sends, in the order the next stage takes it."""
+    return tuple(boundary for _, boundary in _crossing(model, layers, cut))
+
+
+def _crossing(model, layers, cut: int) -> list:
+    used_later = {id(t) for layer in layers[cut:] for t in flat_tensors(layer.input)}
+    used_later |= {id(t) for t in flat_tensors(model.outputs)}
+    return [pair for key, pair in _produced_before(model, layers, cut).items()
+            if key in used_later]
+
+
+def _cut_problem(model, layers, cut: int, named: bool = False) -> Optional[str]:
+    """None when automatic balancing (or, with `named`, a --pipeline_split naming
+    layers[cut]) may start a stage at layers[cut]; else why not."""
+    crossing = boundary_tensors(model, layers, cut)
+    names = ", ".join(t.describe() for t in crossing)
+    computed = [t for t in crossing if t.producer is not None]
+    if not computed:
+        return (f"only model inputs cross it ({names}): they go straight to "
+                f"'{layers[cut].name}' or later layers, so the stages before it would "
+                f"compute nothing that is used")
+    if len(crossing) > MAX_BOUNDARY_TENSORS:
+        return (f"{len(crossing)} tensors cross the cut before '{layers[cut].name}' "
+                f"({names}); a stage boundary may pass at most {MAX_BOUNDARY_TENSORS}, "
+                f"each sent per micro-batch (cut where fewer cross, e.g. between blocks)")
+    if len(computed) > 1 and not named:
+        return (f"{len(computed)} computed tensors cross the cut before "
+                f"'{layers[cut].name}' ({names}); automatic balancing only cuts where one "
+                f"does (name the layer in --pipeline_split to cut here)")
+    return None
 
 
 def layer_params(layer) -> int:
-    """Elements of all the layer's weights (Keras 3 shapes are tuples)."""
+    """Elements of all the layer's weights (Keras 3 shapes are tuples); a keras.ops
+    operation has none."""
     total = 0
-    for weight in layer.weights:
+    for weight in getattr(layer, "weights", ()):
         count = 1
         for size in weight.shape:
             count *= int(size)
@@ -142,7 +215,7 @@ def partition_model(model, num_stages: int, split: Optional[Sequence[str]] = Non
     else:
         valid = [i for i in range(1, len(layers)) if _cut_problem(model, layers, i) is None]
         cuts = balanced_cuts(costs, num_stages, valid, model.name)
-    return _make_partition(layers, costs, cuts)
+    return _make_partition(model, layers, costs, cuts)
 
 
 def _named_cuts(model, layers, names, num_stages, split) -> List[int]:
@@ -159,29 +232,22 @@ def _named_cuts(model, layers, names, num_stages, split) -> List[int]:
             f"--pipeline_split layers must be distinct, in model order and after the first "
             f"layer '{names[0]}'; got {', '.join(split)} (layer order: {', '.join(names)}).")
     for cut in cuts:
-        problem = _cut_problem(model, layers, cut)
+        problem = _cut_problem(model, layers, cut, named=True)
         require(problem is None, f"Model '{model.name}' cannot be cut at --pipeline_split "
                                  f"{names[cut]!r}: {problem}.")
     return cuts
 
 
-def _make_partition(layers, costs, cuts) -> Partition:
+def _make_partition(model, layers, costs, cuts) -> Partition:
     bounds = [0] + list(cuts) + [len(layers)]
     stages = []
     for k in range(len(bounds) - 1):
         members = layers[bounds[k]:bounds[k + 1]]
         is_last = k == len(bounds) - 2
+        boundary = () if is_last else boundary_tensors(model, layers, bounds[k + 1])
+        first_computed = next((t.producer for t in boundary if t.producer), None)
         stages.append(Stage(
             index=k, layers=tuple(layer.name for layer in members),
             params=sum(costs[bounds[k]:bounds[k + 1]]), cost=sum(costs[bounds[k]:bounds[k + 1]]),
-            output_layer=None if is_last else _boundary_producer(layers, bounds[k + 1])))
+            output_layer=first_computed, boundary=boundary))
     return Partition(tuple(stages))
-
-
-def _boundary_producer(layers, cut: int) -> str:
-    """Name of the layer (before `cut`) whose output is the one crossing tensor."""
-    wanted = {id(t) for layer in layers[cut:] for t in _tensors(layer.input)}
-    for layer in reversed(layers[:cut]):
-        if any(id(t) in wanted for t in _tensors(layer.output)):
-            return layer.name
-    raise AssertionError(f"no producer for the cut before {layers[cut].name}")  # _cut_problem

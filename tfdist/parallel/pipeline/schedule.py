@@ -13,7 +13,10 @@ of stage output)`, so the only tensors that cross devices are the boundary
 activation (forward) and its gradient (backward). A schedule is, per stage,
 the order of its forward and backward ops; each op gets a control dependency
 on the stage's previous op, which is what imposes the order on TensorFlow's
-dataflow executor (across stages, ops run as soon as their inputs arrive):
+dataflow executor (across stages, ops run as soon as their inputs arrive).
+When several tensors cross a cut (partition.py), each is sent forward, and the
+gradient of each float computed one is sent back; integer and boolean tensors
+(a padding mask) and model inputs get none. Orders:
 - gpipe: all M forwards, then all M backwards (GPipe's flush); a stage holds
   the activations of all M micro-batches.
 - 1f1b: S-k-1 warm-up forwards, then one forward / one backward (PipeDream-
@@ -73,14 +76,18 @@ SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
 
 
 class _ReplicaRun:
-    """The tensors of one replica's step, filled in as the schedule's ops are built."""
+    """The tensors of one replica's step, filled in as the schedule's ops are built.
+
+    act[(k, m)] is the list of tensors stage k sends for micro-batch m (the
+    micro-batch loss, alone, for the last stage; the features for k = -1) and
+    grad[(k, m)] the gradients coming back for them (None where none flows)."""
 
     def __init__(self, stages, x_parts, y_parts, w_parts, loss_fn, replica):
         self.stages, self.y_parts, self.w_parts, self.replica = stages, y_parts, w_parts, replica
         self.loss_fn = loss_fn
         self.predictions = {}   # m -> the last stage's output (for the metrics)
         num_stages = len(stages)
-        self.act = {(-1, m): x for m, x in enumerate(x_parts)}  # (k, m): stage k's output
+        self.act = {(-1, m): x for m, x in enumerate(x_parts)}
         self.grad = {(num_stages - 1, m): None for m in range(len(x_parts))}  # d loss/d act
         self.tapes = {}
         self.sums = [None] * num_stages     # per stage: variable gradients, summed over m
@@ -102,34 +109,75 @@ class _ReplicaRun:
 
     def _forward(self, stage, m: int) -> list:
         k, last = stage.index, stage.index == len(self.stages) - 1
-        h = self.act[(k - 1, m)]
+        received = self.act[(k - 1, m)]
         tape = tf.GradientTape()  # watches the stage's variables as they are read
         with tape:
-            if k > 0:
+            for h in _differentiable(received, stage.differentiable_inputs) if k > 0 else []:
                 tape.watch(h)
-            out = stage.model(h, training=True)
+            out = run_stage(stage, received, last, training=True)
             if last:
                 self.predictions[m] = out
-                out = self.loss_fn(self.y_parts[m], out, self.w_parts[m])
-            out = tf.identity(out, name=MICROBATCH_LOSS if last else BOUNDARY_ACTIVATION)
+                out = [tf.identity(self.loss_fn(self.y_parts[m], out, self.w_parts[m]),
+                                   name=MICROBATCH_LOSS)]
+            else:
+                out = [tf.identity(t, name=BOUNDARY_ACTIVATION) for t in out]
         self.tapes[(k, m)] = tape
         self.act[(k, m)] = out
-        return [out]
+        return out
 
     def _backward(self, stage, m: int) -> list:
-        k = stage.index
-        sources = list(stage.variables) + ([self.act[(k - 1, m)]] if k > 0 else [])
-        grads = self.tapes.pop((k, m)).gradient(self.act[(k, m)], sources,
-                                                output_gradients=self.grad[(k, m)])
+        k, last = stage.index, stage.index == len(self.stages) - 1
+        inputs = _differentiable(self.act[(k - 1, m)], stage.differentiable_inputs) if k else []
+        sources = list(stage.variables) + inputs
+        if last:   # d loss / d loss = 1
+            targets, output_grads = self.act[(k, m)], None
+        else:
+            pairs = [(t, g) for t, g, wanted in zip(self.act[(k, m)], self.grad[(k, m)],
+                                                     stage.differentiable_outputs) if wanted]
+            targets, output_grads = [t for t, _ in pairs], [g for _, g in pairs]
+        tape = self.tapes.pop((k, m))
+        grads = (tape.gradient(targets, sources, output_gradients=output_grads) if targets
+                 else [None] * len(sources))  # only integer tensors sent: nothing flows back
         grads = [_zeros_if_none(g, v) for g, v in zip(grads, sources)]
         var_grads = grads[:len(stage.variables)]
         # Backward ops run in micro-batch order in every schedule: the same sums.
         self.sums[k] = var_grads if self.sums[k] is None else [
             accumulate(a, b) for a, b in zip(self.sums[k], var_grads)]
-        if k == 0:
-            return [g.values if isinstance(g, tf.IndexedSlices) else g for g in var_grads]
-        self.grad[(k - 1, m)] = tf.identity(grads[-1], name=BOUNDARY_GRADIENT)
-        return [self.grad[(k - 1, m)]]
+        if k > 0:
+            self.grad[(k - 1, m)] = self._send_back(stage, grads[len(stage.variables):])
+        sent = [g for g in self.grad.get((k - 1, m)) or [] if g is not None]
+        return sent or [g.values if isinstance(g, tf.IndexedSlices) else g for g in var_grads]
+
+    def _send_back(self, stage, input_grads) -> list:
+        """One entry per tensor stage k-1 sent: the gradient, or None for an integer one."""
+        grads = iter(input_grads)
+        return [tf.identity(next(grads), name=BOUNDARY_GRADIENT) if wanted else None
+                for wanted in stage.differentiable_inputs]
+
+
+def run_stage(stage, received, last: bool, training: bool):
+    """Stage k on what it received (the features for stage 0, else the list of boundary
+    tensors): the model's output for the last stage, else the list of tensors it sends,
+    those it computed and those it hands on (PlacedStage.sends)."""
+    out = stage.model(_as_stage_input(received) if stage.index else received,
+                      training=training)
+    if last:
+        return out
+    computed = _as_list(out)
+    return [received[i] if handed_on else computed[i] for handed_on, i in stage.sends]
+
+
+def _as_list(tensors) -> list:
+    return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+
+
+def _as_stage_input(tensors: list):
+    """The sub-model of a stage takes one boundary tensor as itself, several as a list."""
+    return tensors[0] if len(tensors) == 1 else list(tensors)
+
+
+def _differentiable(tensors: list, mask) -> list:
+    return [t for t, wanted in zip(tensors, mask) if wanted]
 
 
 def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, replica: int = 0):
@@ -150,7 +198,7 @@ def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, repli
                 progressed = True
         if not progressed:
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {pending}")
-    losses = [run.act[(num_stages - 1, m)] for m in range(microbatches)]
+    losses = [run.act[(num_stages - 1, m)][0] for m in range(microbatches)]
     grads = []
     for stage, sums in zip(stages, run.sums):
         with tf.device(stage.device):
@@ -281,7 +329,7 @@ def make_eval_step(replicas, loss_fn, on_outputs=None):
             h = x
             for stage in replica.stages:
                 with tf.device(stage.device):
-                    h = stage.model(h, training=False)
+                    h = run_stage(stage, h, stage is replica.stages[-1], training=False)
             with tf.device(replica.stages[-1].device):
                 losses.append(loss_fn(y, h, w))
             outputs.append(step_math.outputs_of(y, h, w))

@@ -44,6 +44,18 @@ def test_a_cut_between_decoder_blocks_sends_the_hidden_state_and_the_mask():
     assert partition.stages[1].layers[0] == "decoder_block_1"
 
 
+def test_a_tied_head_is_refused_with_what_to_use_instead():
+    import keras
+    from tfdist.errors import UsageError
+    backbone = gemma.gemma_backbone()
+    tied = keras.Model(backbone.input, backbone.token_embedding(backbone.output, reverse=True))
+    with pytest.raises(UsageError) as error:
+        partition_lib.partition_model(tied, 2)
+    text = str(error.value)
+    assert "'token_embedding' is called 2 times" in text and "untied" in text
+    assert "\n" not in text
+
+
 MODES = {
     "pipeline": dict(simulate_devices=2, pipeline_stages=2, microbatches=2),
     "pipeline_hybrid_2x2": dict(simulate_devices=4, pipeline_stages=2, microbatches=2),

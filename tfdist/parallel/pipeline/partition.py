@@ -134,7 +134,9 @@ def _single_node_layers(layers) -> None:
         nodes = getattr(layer, "_inbound_nodes", [])  # Keras 3 functional graph; no public count
         require(len(nodes) <= 1,
                 f"Layer '{layer.name}' is called {len(nodes)} times (shared weights); "
-                f"pipeline stages need each layer used once.")
+                f"pipeline stages need each layer used once (a language-model head tied "
+                f"to the token embedding calls the embedding twice: use an untied "
+                f"keras.layers.Dense head, or train with mirrored or dtensor).")
 
 
 def _produced_before(model, layers, cut: int) -> dict:

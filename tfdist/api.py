@@ -56,6 +56,7 @@ class Strategy:
         parallel_lib.spanned_cluster(strategy)
         self.parallel = parallel_lib.build_parallelism(self.config)
         self._adopted = {}   # id(user model) -> (model the steps train, its optimizer)
+        self._predict_steps = {}
 
     @classmethod
     def from_config(cls, config: cfg.RunConfig) -> "Strategy":
@@ -134,10 +135,7 @@ class Strategy:
         import tensorflow as tf
         data = _Data.of(_with_dummy_labels(x), None, None, batch_size, False,
                         "prediction inputs")
-        if id(model) in self._adopted:   # trained here: predict where the weights live
-            predict_step = self.parallel.make_predict_step(model, self._adopted[id(model)][0])
-        else:                            # an ordinary model: on the default device
-            predict_step = tf.function(lambda batch: model(batch, training=False))
+        predict_step = self._predict_step(model)
         outputs = [predict_step(batch) for batch in data.feature_batches()]
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
 
@@ -205,6 +203,19 @@ class Strategy:
         metrics.build_metrics(model, sample_batch)
         self._adopted[id(model)] = self.parallel.adopt(model)
         return self._adopted[id(model)]
+
+    def _predict_step(self, model):
+        """One traced predict function per model and state (kept: predict is called often)."""
+        import tensorflow as tf
+        key = (id(model), id(model) in self._adopted)
+        if key not in self._predict_steps:
+            if key[1]:   # trained here: predict where the weights live
+                step = self.parallel.make_predict_step(model, self._adopted[id(model)][0])
+            else:        # an ordinary model: on the default device
+                step = tf.function(lambda batch: model(batch, training=False),
+                                   reduce_retracing=True)
+            self._predict_steps[key] = step
+        return self._predict_steps[key]
 
     def _trained(self, model):
         """The user's model holding the trained weights."""
@@ -328,17 +339,17 @@ class _Data:
 
 
 def _with_dummy_labels(x):
-    """predict's inputs as (features, 0) examples, so they pass the same pipeline; a
-    Dataset of (x,) or (x, y) elements keeps only x, as Keras' predict does."""
+    """predict's inputs as (features, 0) examples, so they pass the same pipeline. A
+    Dataset's elements are x, (x,), (x, y) or (x, y, w), batched: x is kept, as Keras'
+    predict does (map passes a tuple's parts as arguments, anything else as one)."""
     import tensorflow as tf
     if not isinstance(x, tf.data.Dataset):
         return x
-    def features_and_zero(*element):
-        features = element[0] if len(element) > 1 or isinstance(element[0], tuple) else element[0]
-        if isinstance(features, tuple) and len(element) == 1:
-            features = features[0]
-        return features, tf.zeros([tf.shape(tf.nest.flatten(features)[0])[0]])
-    return x.map(features_and_zero)
+
+    def features_and_zeros(features, *_):
+        return features, tf.zeros(tf.shape(tf.nest.flatten(features)[0])[:1])
+
+    return x.map(features_and_zeros)
 
 
 def _batch_size_of(dataset, what) -> int:

@@ -96,7 +96,7 @@ class Parallelism(abc.ABC):
         """fn(x batch) -> y_pred as plain tensors on this process, from the trained
         `model` (or, where the mode trains copies, the synced `user_model`)."""
         import tensorflow as tf
-        return tf.function(lambda x: model(x, training=False))
+        return tf.function(lambda x: model(x, training=False), reduce_retracing=True)
 
     def any_process(self, flag: bool) -> bool:
         """True if `flag` is true in any process of the job (one process: itself)."""

@@ -95,7 +95,7 @@ class PipelineParallelism(Parallelism):
     def make_predict_step(self, user_model, model):
         """The user's model, synced after every epoch, on the host (no stages needed)."""
         self.sync_to_user_model(user_model, model)
-        return tf.function(lambda x: user_model(x, training=False))
+        return tf.function(lambda x: user_model(x, training=False), reduce_retracing=True)
 
     def sync_hyperparameters(self, optimizer) -> None:
         """Each stage optimizer copies the user's optimizer's learning rate (a schedule

@@ -90,19 +90,22 @@ def test_a_subclassed_model_cannot_be_pipelined():
     assert "subclassed" in text and "functional" in text and "--pipeline_split" in text
 
 
-def test_a_cut_that_two_tensors_cross_is_refused_with_how_to_fix_it():
+def test_a_cut_that_too_many_tensors_cross_is_refused_with_how_to_fix_it():
+    from tfdist.parallel.pipeline import partition
     inputs = keras.Input((8,))
-    a = keras.layers.Dense(8, name="a")(inputs)
-    b = keras.layers.Dense(8, name="b")(a)
-    out = keras.layers.Dense(1, name="out")(keras.layers.Add(name="skip")([a, b]))
+    branches = [keras.layers.Dense(4, name=f"branch_{i}")(inputs)
+                for i in range(partition.MAX_BOUNDARY_TENSORS + 1)]
+    out = keras.layers.Dense(1, name="out")(keras.layers.Concatenate(name="join")(branches))
     model = keras.Model(inputs, out)
     model.compile(optimizer="sgd", loss="mse")
     strategy = tfdist.Strategy("pipeline", simulate_devices=2, pipeline_stages=2,
-                               pipeline_split=("skip",))
+                               pipeline_split=("join",))
     with pytest.raises(UsageError) as error:
         strategy.fit(model, np.zeros((64, 8), "float32"), np.zeros((64, 1), "float32"),
                      batch_size=32, verbose=0)
-    assert "2 tensors cross the cut before 'skip'" in one_paragraph(error)
+    text = one_paragraph(error)
+    assert f"{partition.MAX_BOUNDARY_TENSORS + 1} tensors cross the cut before 'join'" in text
+    assert "between blocks" in text
 
 
 def test_unknown_strategy_options_are_refused_with_the_valid_ones():

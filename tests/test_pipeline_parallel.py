@@ -320,11 +320,11 @@ def residual_model():
     return keras.Model(inputs, keras.layers.Dense(2, name="out")(y))
 
 
-def test_a_model_cut_inside_a_residual_block_is_refused():
+def test_a_cut_inside_a_residual_block_is_made_only_when_named():
     model = residual_model()
-    # Before 'add' both the skip (a) and the branch (b) would cross: refused.
-    with pytest.raises(UsageError, match=r"cannot be cut at --pipeline_split 'add': 2 tensors"):
-        partition_lib.partition_model(model, 2, ("add",))
+    # Before 'add' both the skip (a) and the branch (b) cross: a named split sends both.
+    stages = partition_lib.partition_model(model, 2, ("add",)).stages
+    assert [t.producer for t in stages[0].boundary] == ["a", "b"]
     # Before 'b' only a's output crosses (used twice in stage 2): allowed.
     assert partition_lib.partition_model(model, 2, ("b",)).stages[1].layers == ("b", "add", "out")
     # The automatic split never picks the cut before 'add'.

@@ -31,6 +31,8 @@ def balanced_cuts(costs: Sequence[int], num_stages: int, valid: Sequence[int],
                 if end not in best[s] or candidate[0] < best[s][end][0]:
                     best[s][end] = candidate
     if n not in best[num_stages]:
-        raise UsageError(f"Model '{model_name}' has only {len(valid)} place(s) where one tensor "
-                         f"crosses between layers, too few for {num_stages} stages.")
+        raise UsageError(f"Model '{model_name}' has only {len(valid)} place(s) where one computed "
+                         f"tensor (and any model inputs) crosses between layers, too few for "
+                         f"{num_stages} stages; name the cuts with --pipeline_split (a cut "
+                         f"that up to 4 tensors cross is allowed there).")
     return best[num_stages][n][1]

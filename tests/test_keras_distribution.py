@@ -417,3 +417,86 @@ def test_canary_keras_fit_signature_is_what_the_routes_read():
         assert getattr(keras.Model, name).__wrapped__ is keras_method
         params = list(inspect.signature(keras_method).parameters)[1:]
         assert params[:len(route_args)] == route_args, (name, params)
+
+
+# ------------------------------------------------------------------------ keras-io's guides
+
+GUIDES = {"2023": "examples/keras_distribution_guide_2023.py",
+          "current": "examples/keras_distribution_guide.py"}
+WORKER = "tests/workers/keras_distribution_worker.py"
+GUIDE_AXES = {"DataParallel": {"data": 8, "batch": 8}, "ModelParallel": {"data": 2, "model": 4}}
+
+
+def _run(args, tmp_path, timeout=300):
+    import os
+    import subprocess
+    import sys
+    from helpers import REPO
+    env = dict(os.environ, TFDIST_SIMULATE_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
+               KERAS_BACKEND="tensorflow", PYTHONPATH=REPO)
+    result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def guide_runs(tmp_path_factory):
+    """{(guide, mode): (summary, weights)} from the worker, 8 simulated CPUs each."""
+    import json
+    tmp_path = tmp_path_factory.mktemp("guides")
+    runs = {}
+    for guide, extra in (("2023", ["--no-dropout"]),
+                         ("current", ["--no-dropout", "--train-built-models"])):
+        for mode in ("distributed", "one_device"):
+            out = str(tmp_path / f"{guide}_{mode}.json")
+            _run([WORKER, GUIDES[guide], mode, out, *extra], tmp_path)
+            with open(out) as f:
+                runs[guide, mode] = json.load(f), dict(np.load(out + ".npz"))
+    return runs
+
+
+@pytest.mark.parametrize("guide", sorted(GUIDES))
+def test_the_guide_runs_unchanged_on_8_simulated_cpus(guide, tmp_path):
+    result = _run([GUIDES[guide]], tmp_path)
+    if guide == "current":
+        assert "Keras distribution initialized." in result.stdout
+        assert "DeviceMesh created with shape: (2, 4)" in result.stdout
+
+
+@pytest.mark.parametrize("guide", sorted(GUIDES))
+def test_the_guide_trains_step_for_step_like_one_device(guide, guide_runs):
+    distributed, weights = guide_runs[guide, "distributed"]
+    one_device, ref_weights = guide_runs[guide, "one_device"]
+    assert distributed["devices"] == [f"cpu:{i}" for i in range(8)]
+    fits = list(zip(one_device["fits"], distributed["fits"]))
+    assert [got["distribution"] for _, got in fits] == ["DataParallel", "ModelParallel"]
+    for index, (ref, got) in enumerate(fits):
+        assert ref["distribution"] is None and len(ref["losses"]) >= 8
+        count = sum(1 for key in ref_weights if key.startswith(f"fit{index}_"))
+        record = lambda label, losses, w: equivalence.Record(   # noqa: E731
+            label, losses, [w[f"fit{index}_{j}"] for j in range(count)])
+        reference = record("one device", ref["losses"], ref_weights)
+        equivalence.assert_equivalent(reference, record(got["distribution"], got["losses"],
+                                                        weights))
+        equivalence.assert_equivalent(reference, record("tfdist", got["tfdist_losses"],
+                                                        weights))
+
+
+@pytest.mark.parametrize("guide", sorted(GUIDES))
+def test_the_guide_variables_are_laid_out_as_its_layout_map_says(guide, guide_runs):
+    distributed, _ = guide_runs[guide, "distributed"]
+    for fit in distributed["fits"]:
+        axes = GUIDE_AXES[fit["distribution"]]
+        for variable in fit["variables"]:
+            expected = [size // axes[axis] if axis else size
+                        for size, axis in zip(variable["shape"], variable["axes"])]
+            assert variable["shards"] == [expected] and variable["devices"] == 8, variable
+    layouts = {v["path"]: v["axes"] for fit in distributed["fits"] for v in fit["variables"]}
+    if guide == "2023":
+        assert layouts["d1/kernel"] == [None, "model"]    # 784 x 200 -> 784 x 50 per device
+    else:
+        # The Sequential's paths are "sequential/d1/kernel": the guide's keys match none
+        # (Keras' own lookup says so too), so every variable is replicated.
+        assert "sequential/d1/kernel" in layouts
+        assert all(axis is None for spec in layouts.values() for axis in spec)

@@ -45,6 +45,8 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from tfdist.errors import UsageError
+from tfdist.parallel.dtensor import keras_layouts   # no TensorFlow at import
+from tfdist.parallel.dtensor.layout_map import LayoutMap
 
 TFDIST_BATCH, TFDIST_MODEL = "batch", "model"
 ACTIVATION_SUFFIX = "/output"   # Keras' key for a layer's output layout
@@ -339,7 +341,6 @@ def _check_mesh_size(mesh) -> None:
 def _variable_layout(layout_map, renames, mesh):
     """The LayoutMap's variable keys as tfdist's KerasLayoutMap (activation keys left
     to Keras' Layer.__call__), each TensorLayout's axes checked against the mesh."""
-    from tfdist.parallel.dtensor import keras_layouts
     rules = {}
     for key in layout_map:
         layout = layout_map[key]
@@ -347,8 +348,17 @@ def _variable_layout(layout_map, renames, mesh):
         if not key.endswith(ACTIVATION_SUFFIX):
             rules[key] = layout
     converted = keras_layouts.from_keras(rules, axis_names=renames)
-    converted.source_axes = None   # built from this very mesh
-    return converted
+    return KerasRulesLayoutMap(dict(converted.items()))
+
+
+class KerasRulesLayoutMap(keras_layouts.KerasLayoutMap):
+    """tfdist's KerasLayoutMap with keras.distribution's rule for a key that matches no
+    variable: a warning (LayoutMap.resolve's), not tfdist's UsageError. Programs written
+    for keras.distribution rely on it: keras-io's guide keeps a "d1/bias" key for a layer
+    without bias, and keras-hub's maps cover a whole model family."""
+
+    def resolve(self, variables, mesh_axes, strict: bool = False):
+        return LayoutMap.resolve(self, variables, mesh_axes, strict=strict)
 
 
 def _check_axes(key, layout, mesh) -> None:

@@ -350,6 +350,14 @@ def test_a_mesh_of_three_axes_is_refused_naming_them():
     assert "'seq'" in message, message
 
 
+def test_initialize_with_only_a_coordinator_address_is_refused():
+    """JAX needs only process 0's address; DTensor clients need every process's."""
+    with pytest.raises(ValueError, match="job_addresses='10.0.0.1:1234' has 1.*num_processes=2"):
+        keras.distribution.initialize("10.0.0.1:1234", num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match="process_id=2"):
+        keras.distribution.initialize("a:1,b:2", num_processes=2, process_id=2)
+
+
 def test_unsupported_fit_arguments_are_refused_naming_them():
     message = _untrained_fit(keras.distribution.DataParallel(), validation_split=0.25)
     assert "validation_split" in message, message

@@ -52,7 +52,7 @@ TFDIST_BATCH, TFDIST_MODEL = "batch", "model"
 ACTIVATION_SUFFIX = "/output"   # Keras' key for a layer's output layout
 BACKEND_FUNCTIONS = ("get_device_count", "distribute_tensor", "distribute_value",
                      "distribute_data_input", "initialize", "num_processes", "process_id",
-                     "_to_backend_mesh")
+                     "list_devices", "_to_backend_mesh")
 ROUTED_METHODS = ("fit", "evaluate", "predict")
 
 _state = threading.local()      # the route of the tfdist call running in this thread
@@ -109,6 +109,8 @@ def _backend_module():
 
 def _install_backend_functions() -> None:
     module = _backend_module()
+    if "list_devices" not in _keras_methods:
+        _keras_methods["list_devices"] = module.list_devices
     for name in BACKEND_FUNCTIONS:
         setattr(module, name, globals()[name])
 
@@ -140,13 +142,9 @@ def _routed(name, keras_method):
 
 # ------------------------------------------------------------------------------ backend
 
-def list_devices(device_type=None):
-    return _backend_module().list_devices(device_type)
-
-
 def get_device_count(device_type=None):
     """The number of devices of that type (Keras: the default type when None)."""
-    return len(_backend_module().list_devices(device_type))
+    return len(list_devices(device_type))
 
 
 def num_processes():
@@ -160,11 +158,19 @@ def process_id():
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
-    """Joins this process to the others as a DTensor client (Keras' arguments, or its
-    KERAS_DISTRIBUTION_* variables, which keras.distribution.initialize reads first).
+    """Joins this process to the others as a DTensor client: from Keras' arguments or
+    its KERAS_DISTRIBUTION_* variables (keras.distribution.initialize reads them
+    first), else from DTENSOR_* (what `tfdist launch --dtensor` sets).
 
-    One process (num_processes None or 1) has nothing to join. DTensor needs every
-    process's address (a JAX-style coordinator address alone is not enough)."""
+    One process has nothing to join. DTensor needs every process's address (a
+    JAX-style coordinator address alone is not enough)."""
+    if num_processes is None and job_addresses is None and process_id is None:
+        from tfdist import cluster
+        env = cluster.validate_dtensor_env(os.environ)
+        if env is None or env.num_clients == 1:
+            return
+        job_addresses, num_processes, process_id = ",".join(env.jobs), env.num_clients, \
+            env.client_id
     if not num_processes or int(num_processes) == 1:
         return
     addresses = [a.strip() for a in (job_addresses or "").split(",") if a.strip()]
@@ -178,22 +184,50 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     os.environ.update(DTENSOR_CLIENT_ID=str(int(process_id)),
                       DTENSOR_NUM_CLIENTS=str(int(num_processes)),
                       DTENSOR_JOB_NAME="worker", DTENSOR_JOBS=",".join(addresses))
-    from tfdist import devices
     from tfdist.parallel.dtensor import mesh as mesh_lib
-    mesh_lib.initialize_multi_client("GPU" if devices.physical_gpus() else "CPU")
+    mesh_lib.initialize_multi_client(_local_device_type())
+
+
+def _local_device_type() -> str:
+    from tfdist import devices
+    return "GPU" if devices.physical_gpus() else "CPU"
+
+
+def _joined() -> bool:
+    """True once this process is one of several DTensor clients."""
+    from tfdist.parallel.dtensor import mesh as mesh_lib
+    # tfdist's own record of the accelerator system it initialised (DTensor has no query)
+    return bool(mesh_lib._initialized) and num_processes() > 1
+
+
+def list_devices(device_type=None):
+    """Keras' list (this process's devices) until the processes have joined; then
+    every client's devices ("cpu:0".."cpu:N-1", N the global count), as on JAX."""
+    if not _joined():
+        return _keras_list_devices(device_type)
+    from tensorflow.experimental import dtensor
+    kind = (device_type or _local_device_type()).upper()
+    return [f"{kind.lower()}:{i}" for i in range(dtensor.num_global_devices(kind))]
+
+
+def _keras_list_devices(device_type=None):
+    return _keras_methods["list_devices"](device_type)
 
 
 def _to_backend_mesh(device_mesh):
-    """A dtensor.Mesh over the DeviceMesh's devices ("cpu:3" -> "CPU:3"), in its order.
-    (Keras' prototype calls create_distributed_mesh, which needs an initialised
-    accelerator system even on one host.)"""
+    """A dtensor.Mesh over the DeviceMesh's devices ("cpu:3" -> "CPU:3"), in its order;
+    across joined processes, DTensor's mesh over every client's devices. (Keras'
+    prototype calls create_distributed_mesh, which needs an initialised accelerator
+    system even on one host.)"""
     from tensorflow.experimental import dtensor
+    mesh_dims = list(zip(device_mesh.axis_names, device_mesh.shape))
+    if _joined():
+        return dtensor.create_distributed_mesh(mesh_dims, device_type=_local_device_type())
     names = [str(d) for d in device_mesh.devices.flatten()]
     kinds = {name.partition(":")[0].upper() for name in names}
     if len(kinds) != 1:
         raise ValueError(f"A DeviceMesh holds devices of one type; got {sorted(kinds)} "
                          f"in {names}.")
-    mesh_dims = list(zip(device_mesh.axis_names, device_mesh.shape))
     return dtensor.create_mesh(mesh_dims, devices=[n.upper() for n in names],
                                device_type=kinds.pop())
 
@@ -286,8 +320,9 @@ def _route_for(distribution) -> Route:
     import tfdist
     route = plan(distribution)
     options = dict(mesh=route.mesh, layout=route.layout)
-    if _device_type(distribution) == "cpu":
-        options["simulate_devices"] = int(distribution.device_mesh.devices.size)
+    if _device_type(distribution) == "cpu":   # this process's share of the mesh
+        options["simulate_devices"] = int(distribution.device_mesh.devices.size) // \
+            num_processes()
     route.strategy = tfdist.Strategy("dtensor", **options)
     _strategies[id(distribution)] = (distribution, route.strategy, route)
     return route
@@ -389,6 +424,11 @@ def _is_dataset(x) -> bool:
 def _fit(distribution, model, a):
     _refuse(a, "fit", dict(validation_split=0.0, class_weight=None, initial_epoch=0,
                            validation_steps=None, validation_batch_size=None))
+    if distribution.num_processes > 1 and not distribution.auto_shard_dataset:
+        raise ValueError(
+            "auto_shard_dataset=False (each process feeds its own shard) is not supported "
+            "by tfdist yet: give every process the whole data with auto_shard_dataset=True "
+            "and tfdist feeds each process its share of every global batch.")
     route = _route_for(distribution)
     # Keras never shuffles a Dataset (its order is the user's); arrays: tfdist's
     # seeded shuffle, the same in every mode.

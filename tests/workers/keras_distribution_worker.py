@@ -11,6 +11,15 @@ no-op, so every fit is Keras' own on one device: the reference.
 compiled, and its last `model`, is trained for one epoch under the distribution that was
 set when it was built, on offline random data of its input shape (MSE, Adam if the guide
 did not compile it), as the 2023 guide trains its models.
+Or a user's program across processes (tests/test_keras_distribution_multi_process.py):
+
+    tfdist launch --workers 2 --devices_per_worker 2 --dtensor -- \
+        python tests/workers/keras_distribution_worker.py multi_process KIND OUT_PREFIX
+
+enable, keras.distribution.initialize() (from the DTENSOR_* launch sets), KIND "data"
+(DataParallel over the 4 devices) or "model" (ModelParallel on batch=2,model=2), Keras'
+own fit; process C writes OUT_PREFIX.C.json (losses) and OUT_PREFIX.C.npz (weights).
+
 --no-dropout sets every Dropout's rate to 0 (a stochastic layer draws per shard, so no
 distributed run equals one device step for step; both modes get the same change).
 
@@ -159,7 +168,71 @@ def _variable(variable, distribution):
     return entry
 
 
-if __name__ == "__main__":
+# ---- a user's program across processes ----------------------------------------------
+
+EPOCHS, BATCH = 2, 16
+
+
+def user_model():
+    import keras
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((12,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def user_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(64, 12)).astype("float32"),
+            rng.normal(size=(64, 4)).astype("float32"))
+
+
+def user_fit(model, callbacks=()):
+    x, y = user_data()
+    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                     callbacks=list(callbacks))
+
+
+def user_distribution(keras, kind):
+    if kind == "data":
+        return keras.distribution.DataParallel()
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["hidden/kernel"] = (None, "model")
+    layout_map["hidden/bias"] = ("model",)
+    layout_map["out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def multi_process(kind, out_prefix):
+    import tfdist
+    tfdist.enable_keras_distribution()
+    import keras
+    keras.distribution.initialize()
+    distribution = user_distribution(keras, kind)
+    keras.distribution.set_distribution(distribution)
+    model = user_model()
+    history = user_fit(model)
+    from tfdist import keras_distribution
+    process = keras_distribution.process_id()
+    weights = model.get_weights()   # a gather every process joins
+    with open(f"{out_prefix}.{process}.json", "w") as f:
+        json.dump({"losses": list(keras_distribution.strategy_for(distribution).last_result.losses),
+                   "history": history.history, "devices": keras.distribution.list_devices(),
+                   "num_processes": distribution.num_processes,
+                   "mesh": keras_distribution.strategy_for(distribution).config.mesh}, f)
+    np.savez(f"{out_prefix}.{process}.npz", *weights)
+    # Nobody leaves before everyone has gathered (a leaving client cancels the others').
+    from tensorflow.experimental import dtensor
+    dtensor.barrier(dtensor.fetch_layout(model.weights[0].value).mesh, "written",
+                    timeout_in_ms=120_000)
+
+
+if __name__ == "__main__" and sys.argv[1] == "multi_process":
+    multi_process(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__":
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
     main(*arguments, no_dropout="--no-dropout" in sys.argv,
          train_built_models="--train-built-models" in sys.argv)

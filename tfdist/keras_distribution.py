@@ -12,11 +12,14 @@
 
 Keras 3's TensorFlow `distribution_lib.py` is a prototype ("DO NOT USE",
 keras-team/keras#18473): `get_device_count`, `distribute_tensor`,
-`distribute_data_input`, `num_processes` and `process_id` are missing,
-`distribute_value` is a TODO and its mesh needs an accelerator system nobody
-initialises. `enable()` installs those functions into that (private) module,
-which Keras' public keras.distribution functions call at run time
-(BACKEND_FUNCTIONS; canaries in tests/test_keras_distribution.py).
+`distribute_data_input`, `initialize`, `num_processes` and `process_id` are
+missing, `distribute_value` is a TODO, its mesh needs an accelerator system nobody
+initialises and its `list_devices` sees only this process's devices. `enable()`
+installs tfdist's versions into that (private) module, which Keras' public
+keras.distribution functions call at run time (BACKEND_FUNCTIONS; canaries in
+tests/test_keras_distribution.py). Across processes, `initialize()` joins them as
+DTensor clients (Keras' arguments, KERAS_DISTRIBUTION_*, or the DTENSOR_* that
+`tfdist launch --dtensor` sets); then devices and meshes are global, as on JAX.
 
 Training: on the TF backend Keras creates plain variables whatever the
 distribution, and its train step knows nothing of sharded ones. So under a set
@@ -33,6 +36,12 @@ at its first call and runs tfdist's exact steps:
   keras_layouts.py). `<layer path>/output` keys are Keras' activation layouts:
   Keras' Layer.__call__ asks for them and calls distribute_tensor, which relayouts
   the activation on tfdist's mesh inside the sharded step.
+A LayoutMap key that matches no variable is a warning, as in Keras (tfdist's own
+--layout makes it an error; programs written for keras.distribution rely on Keras'
+rule). Data: every process gives the whole data (auto_shard_dataset=True, Keras'
+default) and tfdist feeds each its share of every global batch; a Dataset is never
+shuffled (as Keras), arrays with tfdist's seeded order. Mixed precision: a global
+mixed_bfloat16 policy trains (float32 variables, bfloat16 compute).
 Without a distribution every call is Keras' own.
 """
 

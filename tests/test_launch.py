@@ -93,7 +93,7 @@ def test_each_worker_gets_its_config_and_distinct_bindable_ports(tmp_path):
         own = config["cluster"]["worker"][config["task"]["index"]]
         dtensor_own = os.environ["DTENSOR_JOBS"].split(",")[int(os.environ["DTENSOR_CLIENT_ID"])]
         report = {{name: value for name, value in os.environ.items()
-                  if name == "TF_CONFIG" or name.startswith(("TFDIST_", "DTENSOR_"))}}
+                  if name == "TF_CONFIG" or name.startswith(("TFDIST_", "DTENSOR_", "KERAS_DIST"))}}
         report["bindable"] = bindable(own) and bindable(dtensor_own)
         with open(os.path.join({str(tmp_path)!r}, rank + ".json"), "w") as out:
             json.dump(report, out)
@@ -107,6 +107,10 @@ def test_each_worker_gets_its_config_and_distinct_bindable_ports(tmp_path):
     assert [(config.task_type, config.task_index) for config in configs] == [("worker", i) for i in range(3)]
     assert [config.is_chief for config in configs] == [True, False, False]
     assert [env.client_id for env in dtensor] == [0, 1, 2] and len({tuple(env.jobs) for env in dtensor}) == 1
+    # keras.distribution.initialize() reads the same clients (tfdist.keras_distribution)
+    assert [(r["KERAS_DISTRIBUTION_JOB_ADDRESSES"], r["KERAS_DISTRIBUTION_NUM_PROCESSES"],
+             r["KERAS_DISTRIBUTION_PROCESS_ID"]) for r in reports] == [
+        (r["DTENSOR_JOBS"], "3", str(rank)) for rank, r in enumerate(reports)]
     for rank, report in enumerate(reports):
         assert (report["TFDIST_RANK"], report["TFDIST_NUM_WORKERS"]) == (str(rank), "3")
         assert report["TFDIST_SIMULATE_DEVICES"] == "2" and report["TFDIST_RESTART_COUNT"] == "0"

@@ -23,11 +23,11 @@ from tfdist.api import Strategy
 __version__ = "0.1.0"
 
 
-def enable_keras_distribution():
+def enable_keras_distribution(**options):
     """Makes keras.distribution (DataParallel, ModelParallel, LayoutMap, ...) work on the
-    TensorFlow backend; see tfdist.keras_distribution."""
+    TensorFlow backend; options (simulate_devices=N) and the rest: tfdist.keras_distribution."""
     from tfdist import keras_distribution
-    return keras_distribution.enable()
+    return keras_distribution.enable(**options)
 
 
 def run(config: RunConfig, **kwargs):

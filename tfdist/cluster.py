@@ -455,6 +455,17 @@ def dtensor_env(addresses: Sequence[str], client_id: int, job_name: str = "worke
             "DTENSOR_JOBS": ",".join(addresses)}
 
 
+def keras_distribution_env(addresses: Sequence[str], process_id: int) -> Dict[str, str]:
+    """The variables keras.distribution.initialize() reads (KERAS_DISTRIBUTION_JOB_ADDRESSES,
+    _NUM_PROCESSES, _PROCESS_ID) for the same clients as dtensor_env: a Keras program
+    under `tfdist launch --dtensor` calls initialize() with no arguments
+    (tfdist.keras_distribution turns them into its DTensor clients)."""
+    addresses = list(addresses)
+    return {"KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(addresses),
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(addresses)),
+            "KERAS_DISTRIBUTION_PROCESS_ID": str(process_id)}
+
+
 def validate_dtensor_env(env: Mapping[str, str]) -> Optional[DTensorEnv]:
     """Validates the DTENSOR_* variables in `env`; None when none is set (local mode).
 

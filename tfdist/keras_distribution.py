@@ -206,7 +206,7 @@ def _joined() -> bool:
     """True once this process is one of several DTensor clients."""
     from tfdist.parallel.dtensor import mesh as mesh_lib
     # tfdist's own record of the accelerator system it initialised (DTensor has no query)
-    return bool(mesh_lib._initialized) and num_processes() > 1
+    return mesh_lib.is_initialized() and num_processes() > 1
 
 
 def list_devices(device_type=None):

@@ -227,6 +227,7 @@ def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int]
             env["TFDIST_SIMULATE_DEVICES"] = str(options.devices_per_worker)
         if options.dtensor:
             env.update(cluster.dtensor_env(dtensor_addresses, rank))
+            env.update(cluster.keras_distribution_env(dtensor_addresses, rank))
         environments.append(env)
     rank_ports = [[ports[rank]] + ([ports[n + rank]] if options.dtensor else []) for rank in range(n)]
     return GroupPlan(environments, rank_ports)

@@ -21,6 +21,12 @@ Axes = List[Tuple[str, int]]
 _initialized = []  # device type the accelerator system was initialised with, at most one
 
 
+def is_initialized() -> bool:
+    """Whether this process has initialised DTensor's accelerator system (tfdist does
+    it once, for one device type)."""
+    return bool(_initialized)
+
+
 def parse_mesh(spec: Optional[str], num_devices: int) -> Axes:
     """'batch=2,model=2' -> [('batch', 2), ('model', 2)]; None -> batch=N,model=1."""
     if spec is None or not str(spec).strip():

@@ -48,7 +48,7 @@ from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak",
-          "chaos", "api_fit")
+          "chaos", "api_fit", "keras_distribution")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
@@ -172,6 +172,9 @@ def main(argv):
         elif FLAGS.suite == "api_fit":
             from tfdist.benchmarks import api_fit
             rows = api_fit.compare(FLAGS.steps, FLAGS.trials)
+        elif FLAGS.suite == "keras_distribution":
+            from tfdist.benchmarks import keras_distribution_fit
+            rows = keras_distribution_fit.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "soak":
             rows = run_soak_suite()
         elif FLAGS.suite == "chaos":

@@ -429,10 +429,42 @@ def test_checkpoint_reshards_on_restore(tmp_path):
 
 @pytest.mark.parametrize("overrides,expected", [
     (dict(trainer="fit"), "--trainer=fit is not supported by --strategy=dtensor"),
-    (dict(mixed_precision="mixed_bfloat16"), "--mixed_precision=mixed_bfloat16 is not supported"),
+    (dict(mixed_precision="mixed_float16"), "--mixed_precision=mixed_float16 is not supported"),
 ])
 def test_unsupported_options_are_refused_before_training(overrides, expected):
+    """(mixed_bfloat16 is supported: test_mixed_bfloat16_matches_one_device_mixed_bfloat16.)"""
     from tfdist.parallel.dtensor import build_dtensor
     config = make_config("dtensor", "mlp", "sgd", "batch=2,model=2", "megatron")
     with pytest.raises(UsageError, match=expected):
         build_dtensor(dataclasses.replace(config, **overrides))
+
+
+# Mixed precision: the sharded program rounds some partial sums (a matmul's contraction
+# split over "model", a batch split over "batch") to bfloat16 where one device rounds the
+# whole sum once; one extra bfloat16 rounding is a relative error of at most its unit
+# roundoff u = 2**-8. So each step's loss is held to u, and the final weights, where every
+# step's update may carry one such error and they add up in the worst case, to steps * u
+# (the same bounds as tests/test_keras_distribution.py's keras.distribution runs).
+BFLOAT16_U = 2.0 ** -8
+
+
+def test_mixed_bfloat16_matches_one_device_mixed_bfloat16():
+    """--mixed_precision=mixed_bfloat16 under dtensor (megatron mlp on batch=2,model=2):
+    float32 variables, bfloat16 compute, within the bounds above of one device's
+    mixed_bfloat16 run."""
+    steps = 8
+    runs = {}
+    for strategy, mesh, layout in (("default", None, "data"), ("dtensor", "batch=2,model=2",
+                                                                "megatron")):
+        config = dataclasses.replace(make_config(strategy, "mlp", "adam", mesh, layout),
+                                     mixed_precision="mixed_bfloat16", train_steps=steps)
+        from tfdist.train import runner
+        results, model = runner.run(config, return_model=True)
+        assert all(v.dtype == "float32" for v in model.trainable_variables)
+        runs[strategy] = equivalence.Record(strategy, results["losses"], model.get_weights())
+    import keras
+    keras.mixed_precision.set_dtype_policy("float32")
+    assert len(runs["default"].losses) == steps
+    assert not equivalence.loss_mismatches(runs["default"], runs["dtensor"], rtol=BFLOAT16_U)
+    assert not equivalence.weight_mismatches(runs["default"], runs["dtensor"],
+                                             rtol=steps * BFLOAT16_U)

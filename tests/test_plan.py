@@ -248,11 +248,11 @@ def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(ca
 
 
 def test_plans_the_modes_refuse_are_not_recommended(capsys):
-    """dtensor refuses mixed precision, pipeline mixed_float16: the planner says so."""
+    """dtensor and pipeline refuse mixed_float16 (a dynamic loss scale): the planner says so."""
     assert cli.main(["plan", "--devices=4", "--memory_per_device=600KiB", "--model=mlp",
                      "--hidden_sizes=256,256", "--global_batch_size=32", "--dtype=mixed_float16",
                      "--json"]) == command.EXIT_NO_FIT
     answer = json.loads(capsys.readouterr().out)
     problems = {c["strategy"]: c["problem"] for c in answer["candidates"] if c["problem"]}
-    assert problems == {"dtensor": "dtensor does not support mixed_float16 yet",
+    assert problems == {"dtensor": "dtensor does not support mixed_float16 (use mixed_bfloat16)",
                         "pipeline": "pipeline does not support mixed_float16"}

@@ -105,8 +105,8 @@ def runnable_problem(c: Candidate, work: Workload, hw: Hardware) -> Optional[str
         return f"global batch {work.global_batch_size} does not split over {c.replicas} replicas"
     if c.strategy == "dtensor" and inv.model not in (*MEGATRON, PARAMS_ONLY):
         return f"no megatron layout for model {inv.model!r}"
-    if c.strategy == "dtensor" and work.mixed_precision:
-        return f"dtensor does not support {work.mixed_precision} yet"
+    if c.strategy == "dtensor" and work.mixed_precision == "mixed_float16":
+        return "dtensor does not support mixed_float16 (use mixed_bfloat16)"
     if c.strategy == "pipeline":
         if hw.workers > 1:
             return "pipeline runs in one process (no multi-worker pipeline yet)"

@@ -125,9 +125,10 @@ def build_dtensor(config) -> DTensorParallelism:
     require(config.trainer == "loop",
             f"--trainer={config.trainer} is not supported by --strategy=dtensor; use "
             f"--trainer=loop (Keras fit knows nothing of the sharded variables).")
-    require(config.mixed_precision is None,
-            f"--mixed_precision={config.mixed_precision} is not supported by "
-            f"--strategy=dtensor yet (its updates are written for float32 variables).")
+    require(config.mixed_precision != "mixed_float16",
+            "--mixed_precision=mixed_float16 is not supported by --strategy=dtensor: its "
+            "dynamic loss scale (LossScaleOptimizer) has no exact sharded update. Use "
+            "mixed_bfloat16 (float32 variables, bfloat16 compute, no loss scale).")
     env = cluster.validate_dtensor_env(os.environ)
     multi_client = env is not None and env.num_clients > 1
     local = devices.configure(config.simulate_devices, config.num_gpus)

@@ -7,7 +7,6 @@ comes back) and the integer padding mask, a model input (no gradient)."""
 
 import functools
 
-import numpy as np
 import pytest
 
 pytest.importorskip("keras_hub")
@@ -93,13 +92,6 @@ def test_gemma_lm_trains_like_one_device(optimizer, mode, num_layers):
     assert {"loss", "sparse_categorical_accuracy", "val_loss"} <= set(
         candidate.epoch_logs[-1])
     report = equivalence.compare_runs(reference, candidate)
-    print(f"{optimizer} {mode} {num_layers} layers: {measured_errors(reference, candidate)}")
+    print(f"{optimizer} {mode} {num_layers} layers: "
+          f"{equivalence.describe_errors(reference, candidate)}")
     assert report.equivalent, str(report)
-
-
-def measured_errors(reference, candidate) -> str:
-    loss = equivalence.max_relative_loss_error(reference.record(), candidate.record())
-    weight = max(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-12)
-                 for weights in candidate.replica_weights.values()
-                 for r, g in zip(reference.record().weights, weights))
-    return f"max loss error {loss:.1e}, max weight error {weight:.1e}"

@@ -125,18 +125,9 @@ def test_a_skip_connection_across_cuts_trains_like_one_device(case):
     candidate = equivalence.train_keras("pipeline", build, x, y, fit_kwargs=fit_kwargs,
                                         label=case, **options)
     report = equivalence.compare_runs(reference, candidate)
-    print(f"{case}: {measured_errors(reference, candidate)}")
+    print(f"{case}: {equivalence.describe_errors(reference, candidate)}")
     assert len(candidate.losses) == 2 * EXAMPLES // GLOBAL_BATCH
     assert report.equivalent, str(report)
-
-
-def measured_errors(reference, candidate) -> str:
-    """The largest per-step relative loss error and per-variable relative weight error."""
-    loss = equivalence.max_relative_loss_error(reference.record(), candidate.record())
-    weight = max(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-12)
-                 for weights in candidate.replica_weights.values()
-                 for r, g in zip(reference.record().weights, weights))
-    return f"max loss error {loss:.1e}, max weight error {weight:.1e}"
 
 
 # ---------------------------------------------------------------- what crosses devices
@@ -145,18 +136,8 @@ def typed_sends(step, iterator) -> list:
     """[(producer name, sending device, receiving device, a captured scalar?)] of one placed
     step: test_pipeline_parallel.cross_device_sends plus what the producer is, from the
     same run metadata (Grappler off, so producers keep our names)."""
-    from tensorflow.python.eager import context   # as test_pipeline_parallel.py does
-    from test_pipeline_parallel import _is_train_step
-    previous = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-    context.enable_run_metadata()
-    try:
-        step(iterator)
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-        tf.config.optimizer.set_experimental_options(
-            {"disable_meta_optimizer": previous.get("disable_meta_optimizer", False)})
+    from test_pipeline_parallel import _is_train_step, placed_run_metadata
+    metadata = placed_run_metadata(step, iterator)
     sends = []
     for function_graph in filter(_is_train_step, metadata.function_graphs):
         for graph in function_graph.partition_graphs:

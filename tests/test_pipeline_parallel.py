@@ -193,6 +193,20 @@ def test_every_variable_and_slot_is_on_its_stage_device(model, devices, stages):
                                            for v in everything)
 
 
+def placed_run_metadata(step, iterator):
+    """Run metadata (the partition graphs the executor ran) of one step, Grappler off."""
+    previous = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    context.enable_run_metadata()
+    try:
+        step(iterator)
+        return context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+        tf.config.optimizer.set_experimental_options(
+            {"disable_meta_optimizer": previous.get("disable_meta_optimizer", False)})
+
+
 def cross_device_sends(step, iterator):
     """[(producer node name, sending device, receiving device)] of one placed step.
 
@@ -201,16 +215,7 @@ def cross_device_sends(step, iterator):
     producers keep our names (it would fold the identities; it never moves
     ops between devices).
     """
-    previous = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-    context.enable_run_metadata()
-    try:
-        step(iterator)
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-        tf.config.optimizer.set_experimental_options(
-            {"disable_meta_optimizer": previous.get("disable_meta_optimizer", False)})
+    metadata = placed_run_metadata(step, iterator)
     sends = []
     for function_graph in metadata.function_graphs:
         if not _is_train_step(function_graph):

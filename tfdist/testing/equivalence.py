@@ -279,6 +279,16 @@ def compare_runs(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL) -
                   reference.stochastic_layers)
 
 
+def describe_errors(reference: KerasRun, candidate: KerasRun) -> str:
+    """The largest per-step relative loss error and per-variable relative weight error
+    (over every replica), for test logs and README tables."""
+    loss = max_relative_loss_error(reference.record(), candidate.record())
+    weight = max(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-12)
+                 for weights in candidate.replica_weights.values()
+                 for r, g in zip(reference.record().weights, weights))
+    return f"max loss error {loss:.1e}, max weight error {weight:.1e}"
+
+
 def _first_step(problems) -> Optional[int]:
     for problem in problems:
         if problem.startswith("step "):

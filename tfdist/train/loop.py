@@ -153,8 +153,8 @@ class TrainingLoop:
         # computed when a callback has batch hooks (as Keras skips them too). Every
         # worker must take part in those sums, so the workers agree once, here: the
         # chief's progress bar (or any worker's own callback) decides for all. Hooks no
-        # callback implements are not called: Keras would hand each one to its thread
-        # pool, and a 20,000-step soak grew 55 MB that way.
+        # callback implements are not called at all (Keras would hand each no-op call
+        # to its thread pool, every step).
         batch_hooks = any(implements_batch_hooks(c) for c in callbacks.callbacks)
         wants_batch_logs = self.parallel.any_process(batch_hooks)
         iterator = iter(self.parallel.distribute(plan.train_dataset_fn(start_step)))

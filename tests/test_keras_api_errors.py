@@ -120,3 +120,16 @@ def test_a_non_keras_model_is_refused():
     with pytest.raises(UsageError) as error:
         strategy.fit(object(), np.zeros((4, 2)), np.zeros((4,)), batch_size=2, verbose=0)
     assert "keras.Model" in one_paragraph(error)
+
+
+def test_arrays_without_labels_are_refused_by_fit_and_evaluate():
+    """(predict takes features alone; fit and evaluate would train on made-up labels.)"""
+    strategy = tfdist.Strategy("default")
+    model = regressor()
+    x, _, _ = user_models.regression_arrays(64)
+    for call in (lambda: strategy.fit(model, x, batch_size=32, verbose=0),
+                 lambda: strategy.evaluate(model, x, batch_size=32)):
+        with pytest.raises(UsageError) as error:
+            call()
+        assert "arrays without labels: give y" in one_paragraph(error)
+    assert strategy.predict(model, x).shape == (64, 1)

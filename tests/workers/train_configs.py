@@ -23,6 +23,14 @@ from helpers import from_json_overrides, small_config  # noqa: E402
 from tfdist.train import runner  # noqa: E402
 
 
+def worker_rank() -> str:
+    """tfdist launch's TFDIST_RANK, or the rank an MPI launcher gave (--collective=mpi)."""
+    for name in ("TFDIST_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if name in os.environ:
+            return os.environ[name]
+    raise RuntimeError("no rank variable: start this under tfdist launch or an MPI launcher")
+
+
 def main(configs_json: str, out_dir: str) -> None:
     simulate = int(os.environ.get("TFDIST_SIMULATE_DEVICES", "0"))
     for name, overrides in json.loads(configs_json).items():
@@ -30,7 +38,7 @@ def main(configs_json: str, out_dir: str) -> None:
                               results_json=os.path.join(out_dir, f"{name}.json"),
                               **from_json_overrides(overrides))
         _, model = runner.run(config, return_model=True)
-        rank = os.environ["TFDIST_RANK"]
+        rank = worker_rank()
         np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), *model.get_weights())
 
 

@@ -214,8 +214,9 @@ class MpiAllReduce:
         digests = self.comm.allgather(layout.digest)
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:
+            ranks = ("rank " if len(differing) == 1 else "ranks ") + ", ".join(map(str, differing))
             raise ClusterError(
-                f"MPI rank {self.rank} of {self.size}: ranks {', '.join(map(str, differing))} "
+                f"MPI rank {self.rank} of {self.size}: {ranks} "
                 f"sum other gradient shapes than rank 0 (this rank: {len(layout.shapes)} "
                 f"arrays, {layout.length} floats). Start every rank with the same model "
                 f"and flags.")

@@ -84,25 +84,49 @@ def require_launch(env: Mapping[str, str]) -> None:
 
 
 def load_mpi():
-    """mpi4py's MPI module, initialised with every thread allowed to call MPI (TensorFlow
+    """mpi4py's MPI module, MPI initialised with every thread allowed to call it (TensorFlow
     runs the step's all-reduce on its own threads); a UsageError saying what to install."""
     try:
         import mpi4py
     except ImportError:
         raise UsageError(f"--collective=mpi needs mpi4py and an MPI runtime: {INSTALL_HINT}, "
                          f"or your cluster's MPI module with `pip install mpi4py`.") from None
-    mpi4py.rc.thread_level = "multiple"
+    mpi4py.rc.initialize = False   # initialise_releasing_the_gil does it
+    mpi4py.rc.finalize = True
     try:
         from mpi4py import MPI
     except (ImportError, RuntimeError) as error:   # mpi4py without a loadable libmpi
         raise UsageError(f"--collective=mpi: mpi4py {mpi4py.__version__} is installed but "
                          f"cannot load an MPI library ({error}). {INSTALL_HINT}.") from None
+    if not MPI.Is_initialized():
+        initialise_releasing_the_gil(MPI)
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
         raise UsageError(f"--collective=mpi: this MPI library ({library_version(MPI)}) provides "
                          f"thread level {provided}, but TensorFlow calls MPI from its own "
                          f"threads, which needs MPI_THREAD_SERIALIZED or more.")
     return MPI
+
+
+def initialise_releasing_the_gil(MPI) -> None:
+    """MPI_Init_thread(MULTIPLE) called through ctypes, which releases the GIL.
+
+    Why: MPI_Init waits for every rank (PMIx's fence), and mpi4py's own initialisation
+    (at import, or MPI.Init_thread) holds the GIL meanwhile, so with a rank dead or
+    stuck at start-up the watchdog thread could never run and the others hung for
+    good (seen under mpirun with one rank stopped before MPI_Init). The symbol is
+    looked up through mpi4py's extension module, which links the MPI library it uses.
+    """
+    import ctypes
+    try:
+        init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
+    except (OSError, AttributeError):   # not a shared object we can open: initialise as mpi4py does
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    provided = ctypes.c_int(0)
+    code = init_thread(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE), ctypes.byref(provided))
+    if code != 0:
+        raise ClusterError(f"MPI_Init_thread failed with error code {code}.")
 
 
 def library_version(MPI) -> str:

@@ -5,8 +5,10 @@
 
 For each collective choice, one `tfdist launch --workers 2 -- python -m
 experiments.train --strategy=multi_worker_mirrored --model=mlp --dataset=synthetic
---collective=C --model_dir=... --checkpoint_every=...` job, as a long real job runs.
-Each worker process (found as the launcher's child by its TFDIST_RANK) is sampled
+--collective=C --model_dir=... --checkpoint_every=...` job, as a long real job runs
+(for mpi, `tfdist launch --mpi`: Open MPI's mpirun starts the ranks). Each worker
+process (found among the launcher's descendants by its rank variable: TFDIST_RANK
+for the launcher's own children, OMPI_COMM_WORLD_RANK for mpirun's) is sampled
 from outside through /proc/PID: threads ("Threads" in status), resident memory
 ("VmRSS") and open files (entries of fd/). The first sample is taken as soon as
 the chief logs its first step line (--log_every=10: step 10, a few steps later
@@ -48,6 +50,8 @@ TRAIN_FLAGS = ("--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=syn
 # Every 10 steps, as a job would log (each log line also writes TensorBoard scalars):
 # the first sample lands within a few steps of the first; its step is in the row.
 LOG_EVERY = 10
+# How a worker's environment names its rank: tfdist launch's own workers, then Open MPI's ranks.
+RANK_VARIABLES = (b"TFDIST_RANK", b"OMPI_COMM_WORLD_RANK")
 
 
 # --------------------------------------------------------------------------- settings
@@ -71,25 +75,50 @@ def check_job_settings(steps: int, checkpoint_every: int, timeout: float) -> Non
 
 # --------------------------------------------------------------------------- processes
 
-def worker_pids(launcher_pid: int) -> Dict[int, int]:
-    """rank -> pid of each worker the launcher started (its child with TFDIST_RANK set),
-    as tests/test_multi_worker_failures.py finds them."""
-    found = {}
+def children_of() -> Dict[int, List[int]]:
+    """ppid -> pids of its children, for every process now in /proc."""
+    children: Dict[int, List[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
-                status = f.read()
-            if int(status.split("PPid:")[1].split()[0]) != launcher_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):   # gone, or not ours to read
+                ppid = int(f.read().split("PPid:")[1].split()[0])
+        except (OSError, IndexError, ValueError):   # gone meanwhile
             continue
-        ranks = [e for e in environ if e.startswith(b"TFDIST_RANK=")]
-        if ranks:
-            found[int(ranks[0].split(b"=", 1)[1])] = int(entry)
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def rank_of(pid: int) -> Optional[int]:
+    """The worker rank in the process's environment (RANK_VARIABLES), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:   # gone, or not ours to read
+        return None
+    for name in RANK_VARIABLES:
+        for entry in environ:
+            if entry.startswith(name + b"="):
+                value = entry.split(b"=", 1)[1]
+                return int(value) if value.isdigit() else None
+    return None
+
+
+def worker_pids(launcher_pid: int) -> Dict[int, int]:
+    """rank -> pid of each worker among the launcher's descendants: the nearest ones
+    with a rank variable (tfdist launch's children carry TFDIST_RANK; under --mpi the
+    ranks are mpirun's children, the launcher's grandchildren, with OMPI_COMM_WORLD_RANK).
+    A worker's own children inherit its variable and are not looked at."""
+    children, found = children_of(), {}
+    pending = list(children.get(launcher_pid, ()))
+    while pending:
+        pid = pending.pop()
+        rank = rank_of(pid)
+        if rank is None:
+            pending.extend(children.get(pid, ()))
+        else:
+            found.setdefault(rank, pid)
     return found
 
 
@@ -122,11 +151,13 @@ def end_launcher(launcher: subprocess.Popen, pids: Sequence[int]) -> None:
     except subprocess.TimeoutExpired:
         launcher.kill()
         launcher.wait(timeout=STOP_GRACE_SECONDS)
-    for pid in pids:   # each worker leads its own process group (tfdist launch starts them so)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    for pid in pids:   # tfdist launch's workers lead their own process groups; mpirun's ranks may not
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
 
 
 class LogFollower:
@@ -147,10 +178,11 @@ class LogFollower:
         return lines
 
 
-def launch_command(train_flags: Sequence[str], max_restarts: int = 0) -> List[str]:
-    """tfdist launch of the soak's training command; later flags override earlier ones."""
+def launch_command(train_flags: Sequence[str], max_restarts: int = 0, mpi: bool = False) -> List[str]:
+    """tfdist launch of the soak's training command (with --mpi: under Open MPI's mpirun);
+    later flags override earlier ones."""
     return [sys.executable, "-m", "tfdist.launch", "--workers", str(WORKERS),
-            "--max_restarts", str(max_restarts), "--",
+            "--max_restarts", str(max_restarts), *(["--mpi"] if mpi else []), "--",
             sys.executable, "-m", "experiments.train", *TRAIN_FLAGS, *train_flags]
 
 
@@ -230,7 +262,7 @@ def soak_once(collective: str, steps: int, checkpoint_every: int, timeout: float
     os.makedirs(run_dir)
     command = launch_command([f"--collective={collective}", f"--train_steps={steps}",
                               f"--model_dir={run_dir}/model", f"--checkpoint_every={checkpoint_every}",
-                              f"--log_every={LOG_EVERY}"])
+                              f"--log_every={LOG_EVERY}"], mpi=collective == "mpi")
     launcher = start_launcher(command, os.path.join(run_dir, "launch.log"))
     try:
         return watch(launcher, os.path.join(run_dir, "launch.log"), timeout)

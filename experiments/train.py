@@ -20,6 +20,7 @@ from tfdist import config as cfg, parallel  # noqa: E402
 from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_PREEMPTED, EXIT_USAGE_ERROR,  # noqa: E402
                            ClusterError, Preempted, UsageError)
 from tfdist.train import progress  # noqa: E402
+from tfdist.parallel import mpi  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -187,6 +188,8 @@ def exit_process(code: int, spans_processes: bool) -> None:
     which delays every job end and every preemption."""
     if not spans_processes:
         sys.exit(code)
+    if code == 0:   # every rank got here: MPI's clean end (a no-op without --collective=mpi)
+        mpi.finalize()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -427,7 +427,24 @@ def clusters_in_environment(env: Mapping[str, str]) -> List[ClusterDescription]:
     dtensor = validate_dtensor_env(env)
     if dtensor is not None:
         found.append(ClusterDescription("DTENSOR_JOBS", dtensor.num_clients, dtensor.client_id))
+    found += mpi_worlds_in_environment(env)
     return found
+
+
+# What MPI launchers set in each rank: (size variable, rank variable). Open MPI's mpirun
+# sets the first pair; MPICH's mpiexec and srun --mpi=pmi2 the second (srun --mpi=pmix
+# sets PMIX_RANK only, and Slurm's own variables above).
+MPI_WORLD_VARIABLES = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK"))
+
+
+def mpi_worlds_in_environment(env: Mapping[str, str]) -> List[ClusterDescription]:
+    """The MPI world an MPI launcher started this process in (tfdist.parallel.mpi)."""
+    for size_name, rank_name in MPI_WORLD_VARIABLES:
+        if size_name in env:
+            hint = f"MPI launchers set it beside {size_name}."
+            return [ClusterDescription(size_name, _slurm_int(env, size_name, hint),
+                                       _slurm_int(env, rank_name, hint))]
+    return []
 
 
 # --------------------------------------------------------------------------- DTensor

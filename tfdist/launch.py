@@ -337,6 +337,25 @@ def mpirun_command(options: LaunchOptions, mpirun: str, command: List[str],
     return [mpirun, *flags, *options.mpi_args, *command]
 
 
+def session_members(session: int) -> Optional[List[int]]:
+    """Pids of the processes in session `session` (Linux's /proc), None without /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:   # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp session
+        if int(fields[3]) == session:
+            members.append(int(name))
+    return members
+
+
 def mpi_tags_to_worker_prefixes(text: str) -> str:
     """Open MPI's "[1,R]<stdout>: " line tags as the launcher's own "[worker R] "."""
     return MPIRUN_TAG.sub(lambda match: f"[worker {match.group(1)}] ", text)
@@ -548,10 +567,30 @@ class Worker:
         return self.exit_code
 
     def signal_group(self, signum: int) -> None:
+        if self.label == "mpirun":
+            self._signal_mpi_ranks(signum)
+            return
         try:
             os.killpg(self.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _signal_mpi_ranks(self, signum: int) -> None:
+        """Open MPI's ranks run in process groups of their own, in mpirun's session (it
+        was started in a new one), so the session is what reaches them all, orphans
+        included. A SIGTERM (or SIGINT) goes to the ranks, not to mpirun: mpirun would
+        abort the job and exit 1, hiding the ranks' own exit (4 after a preemption
+        checkpoint); it still reports the first failed rank's code. SIGKILL goes to all."""
+        members = session_members(self.pid)
+        if members is None:   # no /proc: the process group is all we can reach
+            members = [-self.pid]
+        for pid in members:
+            if pid == self.pid and signum != signal.SIGKILL:
+                continue
+            try:
+                os.killpg(-pid, signum) if pid < 0 else os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def reap(self, deadline: float) -> None:
         try:

@@ -25,11 +25,13 @@ MODES = Registry("strategy", {
 # is one process holding a whole model: started once per worker of a cluster, it
 # would train one independent copy per worker, and each would log a complete run.
 SPANS_WORKERS = {
-    "multi_worker_mirrored": ("TF_CONFIG", "SLURM_STEP_NUM_TASKS"),
+    "multi_worker_mirrored": ("TF_CONFIG", "SLURM_STEP_NUM_TASKS",
+                              *(size for size, _ in cluster.MPI_WORLD_VARIABLES)),
     "dtensor": ("DTENSOR_JOBS",),
 }
 MODES_THAT_SPAN_WORKERS = (
-    "multi_worker_mirrored (over TF_CONFIG or Slurm's srun; `tfdist launch --workers N`), and "
+    "multi_worker_mirrored (over TF_CONFIG or Slurm's srun; `tfdist launch --workers N`; "
+    "MPI's mpirun with --collective=mpi), and "
     "dtensor with DTENSOR_* clients (`tfdist launch --workers N --dtensor`)")
 
 

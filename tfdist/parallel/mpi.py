@@ -249,6 +249,17 @@ class MpiAllReduce:
         self._layout = self._buffer = None
 
 
+def finalize() -> None:
+    """MPI_Finalize, if this process initialised MPI, before an os._exit (which skips
+    mpi4py's own at-exit finalisation): Open MPI counts a rank that exits without it,
+    even with status 0, as an abnormal end and fails the job (mpirun exits 1). Only
+    for a clean end, where every rank finalises too (Finalize waits for them)."""
+    import sys
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
 def describe_installation() -> List[str]:
     """Lines for `tfdist doctor`: mpi4py, the MPI library and its launcher, without
     initialising MPI (so the doctor never starts a world)."""

@@ -59,10 +59,13 @@ def cluster_from_environment() -> cluster.TFConfig:
         task = cluster.from_slurm_env(os.environ)
         tf_config = cluster.parse_tf_config(cluster.build_tf_config(task.hosts, task.index))
     else:
+        under_mpi = (f" This process was started by {mpi.launcher_of(os.environ)}: add "
+                     f"--collective=mpi to form the cluster from the MPI world."
+                     if mpi.launcher_of(os.environ) else "")
         raise UsageError(
             "--strategy=multi_worker_mirrored needs a cluster: set TF_CONFIG (see "
             "`tfdist tf-config`), run under Slurm's srun, or start the workers with "
-            "`tfdist launch --workers N -- python -m experiments.train ...`.")
+            "`tfdist launch --workers N -- python -m experiments.train ...`." + under_mpi)
     if tf_config.rank is None:
         raise UsageError(f"This task is {tf_config.task_type}:{tf_config.task_index}; "
                          f"only chief and worker tasks train under multi_worker_mirrored.")

@@ -129,3 +129,16 @@ def test_ranks_train_like_one_device(workers, references, tmp_path):
                 equivalence.Record("rank 0", [], weights[0]),
                 equivalence.Record(f"rank {rank} {name}", [], weights[rank]), rtol=0)
             assert not bitwise, bitwise
+
+
+def test_doctor_reports_the_mpi_library_without_starting_mpi():
+    from tfdist.parallel import mpi
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli", "doctor"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    section = result.stdout.split("\nMPI\n")[1].split("\nCluster environment")[0]
+    import mpi4py
+    assert f"mpi4py: {mpi4py.__version__}" in section
+    assert "MPI library: Open MPI v5" in section and "mpirun (" in section, section
+    assert "this process: not under an MPI launch" in section
+    assert mpi.launcher_of(os.environ) is None   # nor is this test process

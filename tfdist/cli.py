@@ -107,6 +107,7 @@ class Doctor:
             self.devices(tf)
             self.nccl(tf)
         self.interconnect()
+        self.mpi()
         self.cluster_environment()
         self.line()
         if self.problems:
@@ -184,6 +185,14 @@ class Doctor:
             self.line(f"  {row}")
         if result.returncode:
             self.problem(f"`nvidia-smi topo -m` exited with code {result.returncode}.")
+
+    def mpi(self) -> None:
+        """mpi4py, the MPI library it loads and the launchers on PATH (--collective=mpi);
+        MPI is not initialised, so the doctor never starts an MPI world."""
+        from tfdist.parallel import mpi
+        self.line("MPI")
+        for row in mpi.describe_installation():
+            self.line(row)
 
     def cluster_environment(self) -> None:
         self.line("Cluster environment")

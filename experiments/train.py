@@ -188,8 +188,8 @@ def exit_process(code: int, spans_processes: bool) -> None:
     which delays every job end and every preemption."""
     if not spans_processes:
         sys.exit(code)
-    if code == 0:   # every rank got here: MPI's clean end (a no-op without --collective=mpi)
-        mpi.finalize()
+    if code in (0, EXIT_PREEMPTED):   # every rank got here (after agreeing on the step):
+        mpi.finalize()                # MPI's clean end; a no-op without --collective=mpi
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

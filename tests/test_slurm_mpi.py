@@ -227,3 +227,18 @@ def test_scancel_term_under_srun_mpi_saves_exit_4_and_a_resubmitted_job_resumes_
     assert not problems, problems[:10]
     print(f"resumed at {step}: worst relative loss error "
           f"{equivalence.max_relative_loss_error(tail, candidate):.2e}")
+
+
+def test_srun_with_an_mpi_plugin_open_mpi_cannot_speak_is_refused(slurm):
+    """srun --mpi=pmi2 with Open MPI 5 (PMIx only): each task initialises a world of
+    one. Both would train alone as chief; instead each says so and exits 2."""
+    env = dict(slurm.env, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    result = slurm.command(["srun", "--mpi=pmi2", "-n", "2", "--cpus-per-task=1", sys.executable,
+                            "-m", "experiments.train", "--strategy=multi_worker_mirrored",
+                            "--collective=mpi", "--train_steps=5"],
+                           timeout=JOB_TIMEOUT, check=False, env=env, cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert output.count("the launcher started 2 processes (PMI_SIZE=2), but MPI formed a "
+                        "world of 1") == 2, output[-3000:]
+    assert "srun --mpi=pmix" in output and "Traceback" not in output

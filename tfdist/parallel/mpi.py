@@ -150,6 +150,7 @@ def join_world(env: Mapping[str, str]) -> World:
     require_launch(env)
     MPI = load_mpi()
     comm = MPI.COMM_WORLD
+    check_world_size(comm.Get_size(), env)
     if env.get("TF_CONFIG"):
         tf_config = checked_tf_config(cluster.parse_tf_config(env["TF_CONFIG"]), comm)
     else:
@@ -157,6 +158,28 @@ def join_world(env: Mapping[str, str]) -> World:
     log.info("collective mpi: rank %d of %d (%s, %s)", comm.Get_rank(), comm.Get_size(),
              launcher_of(env), library_version(MPI))
     return World(MPI, comm, tf_config, launcher_of(env))
+
+
+def launched_size(env: Mapping[str, str]) -> Optional[tuple]:
+    """(variable, number of processes) the launcher says it started, if it says."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if cluster.decimal(env.get(name)) is not None:
+            return name, int(env[name])
+    return None
+
+
+def check_world_size(size: int, env: Mapping[str, str]) -> None:
+    """The MPI world must hold every process the launcher started: an MPI library that
+    cannot talk to the launcher (srun --mpi=pmi2 with Open MPI 5, which speaks PMIx
+    only) makes each process a world of its own, and each would train alone as chief."""
+    launched = launched_size(env)
+    if launched is not None and launched[1] != size:
+        name, count = launched
+        raise UsageError(
+            f"--collective=mpi: the launcher started {count} processes ({name}={count}), but "
+            f"MPI formed a world of {size}: this MPI library cannot talk to the launcher. "
+            f"Under Slurm, use srun --mpi=pmix with Open MPI (`srun --mpi=list` shows what "
+            f"Slurm offers; pmi2 suits MPICH); else start the ranks with this MPI's own mpirun.")
 
 
 def checked_tf_config(tf_config: cluster.TFConfig, comm) -> cluster.TFConfig:
@@ -252,8 +275,10 @@ class MpiAllReduce:
 def finalize() -> None:
     """MPI_Finalize, if this process initialised MPI, before an os._exit (which skips
     mpi4py's own at-exit finalisation): Open MPI counts a rank that exits without it,
-    even with status 0, as an abnormal end and fails the job (mpirun exits 1). Only
-    for a clean end, where every rank finalises too (Finalize waits for them)."""
+    even with status 0, as an abnormal end and fails the job (mpirun exits 1), and under
+    srun Slurm's PMIx plugin kills the job step (exit 137). Only for an end every rank
+    reaches together, since Finalize waits for them: a finished run, or a preemption
+    after the ranks agreed on its step."""
     import sys
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():

@@ -1,6 +1,6 @@
 """The public API under multi_worker_mirrored: 2 real worker processes on loopback
 (`tfdist launch`), users' own models (tests/user_models.py), over TF's collectives
-(auto) and tfdist's ring (tcp). Every worker's per-step losses, final weights and
+(auto), tfdist's ring (tcp) and MPI (mpi: 2 Open MPI ranks under `tfdist launch --mpi`). Every worker's per-step losses, final weights and
 callback logs equal one device's (1e-5); Keras' callbacks take the same decisions on
 every worker (EarlyStopping's epoch, ReduceLROnPlateau's rate) and only the chief
 leaves files (one set of checkpoints, one TensorBoard run, one CSV, one model)."""
@@ -14,6 +14,7 @@ import pytest
 
 import user_models
 from helpers import REPO
+from test_mpi import mpi_unavailable
 from tfdist.testing import equivalence
 
 CASES = ("softmax_weighted:adamw_cosine", "subclassed:sgd_nesterov", "softmax_weighted:rmsprop",
@@ -22,8 +23,9 @@ CASES = ("softmax_weighted:adamw_cosine", "subclassed:sgd_nesterov", "softmax_we
 
 def launch(collective, out_dir):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    mpi = ["--mpi"] if collective == "mpi" else []
     return subprocess.run(
-        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable,
+        [sys.executable, "-m", "tfdist.launch", *mpi, "--workers", "2", "--", sys.executable,
          "tests/workers/keras_api_cases.py", collective, ",".join(CASES), str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -49,7 +51,8 @@ def worker_run(out_dir, case, rank, paths):
         record["batch_logs"], record["epoch_logs"], [])
 
 
-@pytest.mark.parametrize("collective", ["auto", "tcp"])
+@pytest.mark.parametrize("collective", ["auto", "tcp", pytest.param("mpi", marks=pytest.mark.skipif(
+    mpi_unavailable() is not None, reason=str(mpi_unavailable())))])
 def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
     result = launch(collective, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -28,7 +28,7 @@ from tfdist.testing import equivalence  # noqa: E402
 def main(collective: str, cases: str, out_dir: str) -> None:
     import keras
     import tfdist
-    rank = os.environ["TFDIST_RANK"]
+    rank = os.environ.get("TFDIST_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))   # tfdist launch, or mpirun
     strategy = tfdist.Strategy("multi_worker_mirrored", collective=collective, seed=0,
                                simulate_devices=0)
     names = cases.split(",")

@@ -29,7 +29,7 @@ SRUN_TWO_TASKS = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASK
 
 def test_the_modes_that_span_workers_are_modes():
     assert set(parallel.SPANS_WORKERS) <= set(parallel.MODES.names())
-    assert sorted(ONE_PROCESS_MODES) == ["default", "mirrored", "one_device", "pipeline"]
+    assert sorted(ONE_PROCESS_MODES) == ["default", "mirrored", "one_device"]
 
 
 @pytest.mark.parametrize("strategy", ONE_PROCESS_MODES + ["dtensor"])
@@ -58,6 +58,8 @@ def test_several_dtensor_clients_refuse_the_other_modes():
     ("mirrored", {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}),               # an sbatch script: one process
     ("multi_worker_mirrored", {"TF_CONFIG": tf_config(2, 1)}),
     ("multi_worker_mirrored", SRUN_TWO_TASKS),
+    ("pipeline", {"TF_CONFIG": tf_config(2, 1)}),        # stages in different workers
+    ("pipeline", SRUN_TWO_TASKS),
     ("dtensor", dict(DTENSOR_TWO_CLIENTS, TF_CONFIG=tf_config(2, 1))),   # `tfdist launch --dtensor` sets both
 ])
 def test_what_may_run_there(strategy, env):
@@ -72,16 +74,16 @@ def test_only_the_chief_writes_the_model_dir():
     assert not parallel.writes_model_dir("dtensor", DTENSOR_TWO_CLIENTS)
 
 
-def test_pipeline_under_tfdist_launch_exits_2_before_tensorflow_is_imported():
+def test_one_process_mode_under_tfdist_launch_exits_2_before_tensorflow_is_imported():
     # -X importtime lists every module the worker imports on its stderr: TensorFlow must not be one.
     command = [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--",
-               sys.executable, "-X", "importtime", "-m", "experiments.train", "--strategy=pipeline",
+               sys.executable, "-X", "importtime", "-m", "experiments.train", "--strategy=mirrored",
                "--model=mlp", "--train_steps=5"]
     result = subprocess.run(command, cwd=REPO, env=clean_env(TF_CPP_MIN_LOG_LEVEL="2"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     # The first worker to fail ends the other, which may not get to say it too.
-    assert re.search(r"^\[worker [01]\] tfdist: error: --strategy=pipeline runs in one process, but "
+    assert re.search(r"^\[worker [01]\] tfdist: error: --strategy=mirrored runs in one process, but "
                      r"TF_CONFIG describes a cluster of 2 workers \(this process is rank [01]\)",
                      result.stderr, re.M), result.stderr[-3000:]
     imported = re.findall(r"\|\s+(\S+)$", result.stderr, re.M)

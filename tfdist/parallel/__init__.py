@@ -28,10 +28,11 @@ SPANS_WORKERS = {
     "multi_worker_mirrored": ("TF_CONFIG", "SLURM_STEP_NUM_TASKS",
                               *(size for size, _ in cluster.MPI_WORLD_VARIABLES)),
     "dtensor": ("DTENSOR_JOBS",),
+    "pipeline": ("TF_CONFIG", "SLURM_STEP_NUM_TASKS"),   # stages in different workers
 }
 MODES_THAT_SPAN_WORKERS = (
     "multi_worker_mirrored (over TF_CONFIG or Slurm's srun; `tfdist launch --workers N`; "
-    "MPI's mpirun with --collective=mpi), and "
+    "MPI's mpirun with --collective=mpi), pipeline with its stages in different workers, and "
     "dtensor with DTENSOR_* clients (`tfdist launch --workers N --dtensor`)")
 
 

@@ -2,11 +2,12 @@
 optionally combined with data-parallel replicas.
 
     --strategy=pipeline --pipeline_stages=S --microbatches=M [--pipeline_split=a,b]
-        [--pipeline_schedule=gpipe|1f1b]
+        [--pipeline_schedule=gpipe|1f1b|interleaved_1f1b|zero_bubble] [--virtual_stages=V]
 
 With D devices, S stages and R = D / S replicas, replica r runs stage k on
-device r*S + k. Each global step takes R consecutive per-replica batches (one
-input pipeline), splits each into M micro-batches and runs the GPipe or 1F1B
+device r*S + k (interleaved_1f1b: the model is cut into S*V chunks and chunk c
+runs on device r*S + c mod S). Each global step takes R consecutive per-replica
+batches (one input pipeline), splits each into M micro-batches and runs the
 schedule (schedule.py); a step is mathematically the full-batch step of one device.
 Modules: partition.py (where to cut), placement.py (what lives where),
 schedule.py (the step).
@@ -19,7 +20,7 @@ from typing import Dict, List
 import keras
 import tensorflow as tf
 
-from tfdist import devices as devices_lib
+from tfdist import config as config_lib, devices as devices_lib
 from tfdist.errors import require
 from tfdist.parallel.base import Parallelism, add_bytes
 from tfdist.parallel.pipeline import placement, schedule
@@ -33,12 +34,16 @@ class PipelineParallelism(Parallelism):
     name = "pipeline"
 
     def __init__(self, device_names: List[str], num_stages: int, microbatches: int,
-                 split=None, schedule_name: str = "gpipe"):
+                 split=None, schedule_name: str = "gpipe", virtual_stages: int = 1):
+        # Also checked by RunConfig; here for PipelineParallelism built by hand.
+        config_lib.validate_pipeline_schedule(schedule_name, num_stages, microbatches,
+                                              virtual_stages)
         self.devices = device_names
         self.num_stages = num_stages
         self.microbatches = microbatches
         self.split = split
         self.schedule = schedule_name
+        self.virtual_stages = virtual_stages   # model chunks per device (interleaved_1f1b)
         self.num_replicas = len(device_names) // num_stages
         self.partition: Partition = None
         self.replicas: List[placement.PlacedReplica] = []
@@ -68,7 +73,8 @@ class PipelineParallelism(Parallelism):
         self._refuse_batch_statistics(reference)
         self._refuse_inexact_losses(reference)
         self.reference = reference
-        self.partition = partition_model(reference, self.num_stages, self.split)
+        self.partition = partition_model(reference, self.num_stages, self.split,
+                                         self.virtual_stages)
         log.info("%s", self.partition.describe())
         self.replicas = [placement.place_replica(reference, self.partition,
                                                  self.replica_devices(r), optimizer_fn)
@@ -152,7 +158,8 @@ class PipelineParallelism(Parallelism):
             clip = None
         return schedule.make_train_step(
             self.replicas, self.microbatches, loss_fn, self.schedule, on_outputs,
-            clip=None if clip is None else lambda grads: clipping.clip_like_keras(grads, clip))
+            clip=None if clip is None else lambda grads: clipping.clip_like_keras(grads, clip),
+            virtual_stages=self.virtual_stages)
 
     def make_eval_step(self, model, on_outputs=None):
         return schedule.make_eval_step(self.replicas, self._share_of_loss(self.num_replicas),
@@ -216,6 +223,11 @@ def build_pipeline(config) -> PipelineParallelism:
     require(config.mixed_precision != "mixed_float16",
             "--mixed_precision=mixed_float16 is not supported by --strategy=pipeline: each "
             "stage optimizer would keep its own dynamic loss scale. Use mixed_bfloat16.")
+    from tfdist import parallel as parallel_lib
+    if parallel_lib.spanned_cluster("pipeline") is not None:   # stages in several processes
+        from tfdist.parallel.multi_worker import cluster_from_environment
+        from tfdist.parallel.pipeline import cluster as cross_worker
+        return cross_worker.build_cross_worker_pipeline(config, cluster_from_environment())
     local = devices_lib.configure(config.simulate_devices, config.num_gpus)
     validate_layout(len(local), config.pipeline_stages, local)
     return PipelineParallelism(local, config.pipeline_stages, config.microbatches,

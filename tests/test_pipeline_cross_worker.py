@@ -1,0 +1,131 @@
+"""--strategy=pipeline with its stages in different worker processes (`tfdist launch`).
+
+Real processes on loopback, TensorFlow's distributed runtime between them: worker 0
+drives, the others serve their stages (tfdist/parallel/pipeline/cluster.py).
+Equivalence, per-step losses and EVERY replica's every stage (as read from the
+worker that holds it) within 1e-5 relative of one device:
+- 2 workers, 2 stages: mlp with sgd and adam for M in {1, 4, 8} under gpipe and
+  1f1b; the transformer (an embedding: sparse gradients) with sgd and adam;
+- 4 workers: 4 stages, and 2 stages x 2 replicas (one pipeline per worker pair);
+- 2 workers x 2 local devices: 2 stages x 2 in-node replicas (the hybrid).
+param_bytes_per_device names each stage's device with its task. Bad input: stages
+that do not divide the workers, workers with different numbers of devices.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, from_json_overrides, small_config
+from tfdist.testing import equivalence
+
+STEPS = 12
+TRANSFORMER = dict(model=dict(name="transformer", num_layers=2, d_model=32, num_heads=4,
+                              d_ff=64), data=dict(name="text", seq_len=16))
+
+
+def mlp(optimizer, **fields):
+    return dict(model="mlp", optimizer=optimizer, **fields)
+
+
+def transformer(optimizer, **fields):
+    return dict(TRANSFORMER, optimizer=optimizer, **fields)
+
+
+def named(configs):
+    def name(c):
+        model = c["model"] if isinstance(c["model"], str) else c["model"]["name"]
+        return (f"{model}_{c['optimizer']}_S{c['pipeline_stages']}_M{c['microbatches']}_"
+                f"{c['pipeline_schedule']}")
+    return {name(c): dict(c, train_steps=STEPS) for c in configs}
+
+
+TWO_WORKERS = named(
+    [mlp(o, pipeline_stages=2, microbatches=m, pipeline_schedule=s)
+     for o in ("sgd", "adam") for m in (1, 4, 8) for s in ("gpipe", "1f1b")]
+    + [transformer(o, pipeline_stages=2, microbatches=4, pipeline_schedule=s)
+       for o, s in (("sgd", "1f1b"), ("adam", "gpipe"))])
+FOUR_WORKERS = named([
+    mlp("adam", pipeline_stages=4, microbatches=4, pipeline_schedule="gpipe"),
+    mlp("sgd", pipeline_stages=4, microbatches=8, pipeline_schedule="1f1b"),
+    transformer("adam", pipeline_stages=4, microbatches=4, pipeline_schedule="1f1b"),
+    mlp("adam", pipeline_stages=2, microbatches=4, pipeline_schedule="gpipe"),      # 2 x 2 replicas
+    transformer("sgd", pipeline_stages=2, microbatches=4, pipeline_schedule="1f1b"),
+])
+IN_NODE_REPLICAS = named([
+    mlp("adam", pipeline_stages=2, microbatches=4, pipeline_schedule="gpipe"),
+    transformer("adam", pipeline_stages=2, microbatches=4, pipeline_schedule="1f1b"),
+])
+
+
+def launch(workers, devices_per_worker, command, timeout=900):
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "tfdist.launch", "--workers", str(workers),
+                           "--devices_per_worker", str(devices_per_worker), "--", *command],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_key: str):
+    """One device: per-step losses and {variable path: value}."""
+    overrides = json.loads(model_key)
+    config = small_config(strategy="default", simulate_devices=0, **from_json_overrides(
+        {k: v for k, v in overrides.items() if not k.startswith(("pipeline", "micro"))}))
+    from tfdist.train import runner
+    results, model = runner.run(config, return_model=True)
+    return results["losses"], {v.path: v.numpy() for v in model.weights}
+
+
+def check_run(out_dir, name, config, workers, devices_per_worker):
+    record = json.loads((out_dir / f"{name}.json").read_text())
+    stages, replicas = config["pipeline_stages"], workers // config["pipeline_stages"] * devices_per_worker
+    assert record["num_replicas"] == replicas and len(record["losses"]) == STEPS
+    losses, by_path = reference(json.dumps(config, sort_keys=True))
+    assert not equivalence.loss_mismatches(equivalence.Record("default", losses, None),
+                                           equivalence.Record(name, record["losses"], None))
+    assert sorted(record["stages"]) == sorted(f"{r},{k}" for r in range(replicas)
+                                              for k in range(stages))
+    for r in range(replicas):
+        held = sorted(p for k in range(stages) for p in record["stages"][f"{r},{k}"]["paths"])
+        assert held == sorted(by_path), f"{name}: replica {r}'s stages hold {held}"
+    for key, stage in record["stages"].items():
+        r, k = map(int, key.split(","))
+        task = (r // devices_per_worker) * stages + k
+        assert stage["device"] == (f"/job:worker/replica:0/task:{task}/device:CPU:"
+                                   f"{r % devices_per_worker}"), (key, stage["device"])
+        if not stage["paths"]:
+            continue
+        got = equivalence.load_weights(out_dir / f"{name}.r{r}.s{k}.npz")
+        mismatches = equivalence.weight_mismatches(
+            equivalence.Record("default", [], [by_path[p] for p in stage["paths"]]),
+            equivalence.Record(f"{name} replica {r} stage {k}", [], got))
+        assert not mismatches, mismatches
+    tasks = {device.split("/device:")[0] for device in record["param_bytes_per_device"]}
+    assert tasks == {f"/job:worker/replica:0/task:{t}" for t in range(workers)}, tasks
+
+
+@pytest.mark.parametrize("workers,devices_per_worker,configs", [
+    (2, 1, TWO_WORKERS), (4, 1, FOUR_WORKERS), (2, 2, IN_NODE_REPLICAS)],
+    ids=["2 workers", "4 workers", "2 workers x 2 devices"])
+def test_stages_in_different_workers_train_like_one_device(workers, devices_per_worker,
+                                                           configs, tmp_path):
+    result = launch(workers, devices_per_worker, [sys.executable, "tests/workers/pipeline_configs.py",
+                                                  json.dumps(configs), str(tmp_path)])
+    # 0 from the launcher: every worker exited 0, the serving ones with worker 0's status.
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(configs) >= 2
+    for name, config in configs.items():
+        check_run(tmp_path, name, config, workers, devices_per_worker)
+
+
+def test_stages_that_do_not_divide_the_workers_are_refused(tmp_path):
+    result = launch(2, 1, [sys.executable, "-m", "experiments.train", "--strategy=pipeline",
+                           "--pipeline_stages=4", "--microbatches=4", "--model=mlp",
+                           "--train_steps=3"], timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--pipeline_stages=4 does not divide the 2 workers of this cluster" in result.stderr
+    assert "Traceback" not in result.stderr

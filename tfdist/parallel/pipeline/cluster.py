@@ -1,0 +1,280 @@
+"""Pipeline stages in different worker processes: worker 0 drives, the others serve.
+
+    tfdist launch --workers W [--devices_per_worker D] -- python -m experiments.train \\
+        --strategy=pipeline --pipeline_stages=S --microbatches=M
+
+How: TensorFlow's distributed runtime runs one program over the devices of every
+task of a cluster (the single-client model of its ParameterServerStrategy). Worker
+0 connects to the cluster (tf.config.experimental_connect_to_cluster) and builds
+the same pipeline as in one process (placement.py, schedule.py), with the stage
+devices named by task; the other workers only start a TensorFlow server and keep
+it up until worker 0 ends. Each stage's variables, optimizer slots and ops then
+live in the worker process that holds its device, and the boundary activations
+and their gradients move between processes as TensorFlow's Send/Recv over gRPC.
+Each task runs its part of the step's graph with its own executor, so stages in
+different processes compute at the same time, which is the point of a pipeline.
+Why TensorFlow's runtime and not tfdist's rings or MPI: a stage's ops, the
+crossing tensors and their order are already one TensorFlow graph, which the
+runtime partitions per task; moving activations outside it would cut the step
+into one numpy_function per crossing (see the README's measurement).
+
+Layout: W workers, D local devices each, S stages (S divides W). The W/S groups of
+S consecutive workers each hold one pipeline per local device: replica (g, d) runs
+stage k on task g*S + k, device d. Every stage's gradients are summed over the
+replicas on replica 0's device of that stage (schedule.apply_gradients), so
+W/S x D replicas train one model. D = 1: pipelines across nodes, replicated
+across node groups; D > 1: each worker's devices are in-node data-parallel
+replicas of its stage (the hybrid: split across nodes, replicate within).
+
+How the workers end: a serving worker polls worker 0's server port; when it
+closes, worker 0 has ended. Worker 0 first writes, through a TensorFlow op placed
+on each worker (so it runs in that worker's process), the exit status it ends
+with into a file in that worker's temp dir: 0 after a finished run, 4 after a
+preemption checkpoint. A worker that finds no such file when worker 0's port
+closes knows worker 0 failed and exits 3. A serving worker holds SIGTERM until
+worker 0 has ended: worker 0's preemption checkpoint reads the variables it
+serves.
+"""
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import tempfile
+import time
+from typing import List
+
+import tensorflow as tf
+
+from tfdist import cluster, devices as devices_lib, rendezvous
+from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_PREEMPTED, ClusterError, UsageError,
+                           require)
+from tfdist.parallel import watchdog
+from tfdist.parallel.pipeline import PipelineParallelism
+
+log = logging.getLogger("tfdist")
+DRIVER_RANK = 0
+POLL_SECONDS = 0.5
+
+
+def stage_devices(num_workers: int, devices_per_worker: int, num_stages: int) -> List[str]:
+    """Every replica's stage devices, replica after replica (stage k of replica r at
+    index r*S + k, as PipelineParallelism expects), named as TensorFlow names them."""
+    devices = []
+    for group in range(num_workers // num_stages):
+        for local in range(devices_per_worker):
+            devices += [f"/job:worker/replica:0/task:{group * num_stages + k}/device:CPU:{local}"
+                        for k in range(num_stages)]
+    return devices
+
+
+def check_layout(num_stages: int, tf_config: cluster.TFConfig) -> None:
+    workers = tf_config.num_workers
+    require(workers % num_stages == 0,
+            f"--pipeline_stages={num_stages} does not divide the {workers} workers of this "
+            f"cluster ({', '.join(tf_config.worker_addresses)}): each stage needs its own "
+            f"worker, and W/S groups of S workers each hold a replica of the pipeline. Use "
+            f"{num_stages * max(1, workers // num_stages)} workers or a --pipeline_stages "
+            f"that divides {workers}.")
+
+
+def marker_path(tf_config: cluster.TFConfig, task: int) -> str:
+    """Where worker 0 writes the exit status of the job for worker `task` (on its host)."""
+    job = hashlib.blake2b(",".join(tf_config.worker_addresses).encode(), digest_size=8).hexdigest()
+    return os.path.join(tempfile.gettempdir(), f"tfdist-pipeline-{job}-task{task}.status")
+
+
+def server_config(local_devices: int):
+    """A standalone server makes its devices and thread pools from its ConfigProto, not
+    from the process's logical-device configuration or TF_NUM_*_THREADS, which only the
+    eager context reads: so they are given here, as the process was configured."""
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": local_devices})
+    config.intra_op_parallelism_threads = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0"))
+    config.inter_op_parallelism_threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    return config
+
+
+def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int) -> int:
+    """A serving worker: the TensorFlow server for the stages worker 0 places here, up
+    until worker 0 ends; returns the exit status this process should end with."""
+    label = f"worker {tf_config.rank} of {tf_config.num_workers}"
+    marker = marker_path(tf_config, tf_config.rank)
+    if os.path.exists(marker):
+        os.unlink(marker)   # a previous job's
+    rendezvous.wait_for_peers(tf_config, timeout)
+    tf.distribute.Server(tf.train.ClusterSpec(tf_config.cluster), job_name="worker",
+                         task_index=tf_config.task_index, protocol="grpc",
+                         config=server_config(local_devices), start=True)
+    log.info("pipeline: %s serves its stages for worker 0", label)
+    held = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    try:
+        driver = tf_config.worker_addresses[DRIVER_RANK]
+        while rendezvous.unreachable([driver]) == []:
+            time.sleep(POLL_SECONDS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _status_left_for(marker, label)
+
+
+def _status_left_for(marker: str, label: str) -> int:
+    try:
+        with open(marker) as f:
+            status = int(f.read().strip() or EXIT_CLUSTER_ERROR)
+        os.unlink(marker)
+    except (OSError, ValueError):
+        log.error("pipeline: %s: worker 0, which drives the pipeline, ended without "
+                  "finishing (see its log); this worker ends too", label)
+        return EXIT_CLUSTER_ERROR
+    log.info("pipeline: %s: worker 0 ended with status %d; this worker ends too", label, status)
+    return status
+
+
+_connected = []   # the cluster worker 0 joined: a process joins once, and runs may follow
+
+
+def connect_driver(tf_config: cluster.TFConfig, timeout: float) -> None:
+    """Worker 0: joins the cluster as its client (ops with no device stay local). A
+    later run in the same process (the serving workers keep serving) reuses it."""
+    if _connected:
+        require(_connected[0] == tf_config.cluster,
+                f"--strategy=pipeline: this process already drives the cluster "
+                f"{_connected[0]}; TensorFlow joins one cluster per process.")
+        return
+    rendezvous.wait_for_peers(tf_config, timeout)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(tf_config.cluster), task_type="worker",
+        task_id=tf_config.task_index, rpc_layer="grpc")
+    tf.config.experimental_connect_to_cluster(resolver, job_name="worker",
+                                              task_index=tf_config.task_index,
+                                              make_master_device_default=False)
+    _connected.append(tf_config.cluster)
+
+
+def check_devices_per_worker(tf_config: cluster.TFConfig, expected: int) -> None:
+    """Every worker must have worker 0's number of local devices (the same launch flags)."""
+    counts = {task: 0 for task in range(tf_config.num_workers)}
+    for device in tf.config.list_logical_devices("CPU"):
+        task = device.name.split("/task:")[1].split("/")[0] if "/task:" in device.name else None
+        if task is not None and int(task) in counts:
+            counts[int(task)] += 1
+    differing = {task: count for task, count in counts.items() if count != expected}
+    if differing:
+        shown = ", ".join(f"worker {task}: {count}" for task, count in sorted(differing.items()))
+        raise UsageError(
+            f"--strategy=pipeline across workers: worker 0 has {expected} local device(s), "
+            f"but {shown}. Start every worker with the same --simulate_devices / "
+            f"TFDIST_SIMULATE_DEVICES (`tfdist launch --devices_per_worker K` sets it for all).")
+
+
+def tell_workers(tf_config: cluster.TFConfig, status) -> None:
+    """Worker 0's last word to each serving worker: the status it ends with, written
+    on that worker's host by an op that runs in that worker's process."""
+    for task in range(tf_config.num_workers):
+        if task == DRIVER_RANK:
+            continue
+        with tf.device(f"/job:worker/replica:0/task:{task}/device:CPU:0"):
+            tf.io.write_file(marker_path(tf_config, task), tf.constant(str(status)))
+
+
+def peer_failure(error: Exception, tf_config: cluster.TFConfig) -> ClusterError:
+    return ClusterError(
+        f"worker 0 of {tf_config.num_workers} (the pipeline's driver): a stage worker died or "
+        f"stopped answering ({type(error).__name__}: {str(error).splitlines()[0][:300]}). "
+        f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts the group.")
+
+
+class CrossWorkerPipeline(PipelineParallelism):
+    """The pipeline as worker 0 drives it: stages on other workers' devices, every step and
+    agreement bounded by --collective_timeout, and the serving workers told how it ended."""
+
+    def __init__(self, device_names, num_stages, microbatches, split, schedule_name,
+                 tf_config: cluster.TFConfig, timeout: float):
+        super().__init__(device_names, num_stages, microbatches, split, schedule_name)
+        self.tf_config = tf_config
+        self.watchdog = watchdog.for_process(
+            timeout, f"worker 0 of {tf_config.num_workers} (the pipeline's driver)")
+        self._ending = EXIT_CLUSTER_ERROR   # until finish() or a preemption says otherwise
+        self._told = False
+        tell_workers(tf_config, "")   # no word yet (a previous run's in this process said 0)
+
+    def guard(self, what: str):
+        return self.watchdog.guard(what)
+
+    def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
+                        on_outputs=None):
+        return self._guarded(super().make_train_step(
+            model, optimizer, global_batch_size, jit_compile, on_outputs), "a training step")
+
+    def make_eval_step(self, model, on_outputs=None):
+        return self._guarded(super().make_eval_step(model, on_outputs), "an eval step")
+
+    def _guarded(self, step, what: str):
+        def guarded(iterator):
+            with self.watchdog.guard(what):
+                return step(iterator)
+        return guarded
+
+    def any_process(self, flag: bool) -> bool:
+        """One driver decides for the job; a preemption it decides on is how it ends."""
+        if flag:
+            self._ending = EXIT_PREEMPTED
+        return flag
+
+    @contextlib.contextmanager
+    def translate_failures(self):
+        from tfdist.parallel.multi_worker import PEER_FAILURES
+        try:
+            yield
+        except PEER_FAILURES as error:
+            raise peer_failure(error, self.tf_config) from None
+
+    def finish(self) -> None:
+        self._ending = 0
+
+    def close(self) -> None:
+        """Tells the serving workers the status worker 0 ends with (nothing after a
+        failure: a worker may be gone, and no word means exit 3 to them)."""
+        if not self._told and self._ending != EXIT_CLUSTER_ERROR:
+            self._told = True
+            with self.watchdog.guard("telling the stage workers the run has ended"):
+                tell_workers(self.tf_config, self._ending)
+        super().close()
+
+
+def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWorkerPipeline:
+    """Worker 0: the pipeline over every worker's devices. Any other worker: serves its
+    stages until worker 0 ends, then ends this process with worker 0's status (it has
+    nothing else to run: worker 0 alone runs the user's program, single-client)."""
+    check_layout(config.pipeline_stages, tf_config)
+    simulate = 0 if config.simulate_devices == devices_lib.AUTO else config.simulate_devices
+    local = devices_lib.configure(simulate, config.num_gpus)   # before this task's server
+    require(all("gpu" not in d.lower() for d in local),
+            "--strategy=pipeline across workers places stages on CPU devices only in this "
+            "version; on GPU hosts run the pipeline inside one process per host.")
+    watch = watchdog.for_process(config.collective_timeout,
+                                 f"worker {tf_config.rank} of {tf_config.num_workers}")
+    if tf_config.rank != DRIVER_RANK:
+        end_serving_worker(serve(tf_config, config.collective_timeout, len(local)))
+    with watch.guard("joining the cluster"):
+        connect_driver(tf_config, config.collective_timeout)
+    check_devices_per_worker(tf_config, len(local))
+    devices = stage_devices(tf_config.num_workers, len(local), config.pipeline_stages)
+    log.info("pipeline across %d workers: %d stage(s) x %d replica(s) (%d per worker group x "
+             "%d local device(s))", tf_config.num_workers, config.pipeline_stages,
+             len(devices) // config.pipeline_stages, tf_config.num_workers // config.pipeline_stages,
+             len(local))
+    return CrossWorkerPipeline(devices, config.pipeline_stages, config.microbatches,
+                               config.pipeline_split, config.pipeline_schedule, tf_config,
+                               config.collective_timeout)
+
+
+def end_serving_worker(status: int) -> None:
+    """A serving worker's end: its logs out, then exit without TensorFlow's teardown
+    (which would wait for the departed worker 0 at the coordination service)."""
+    logging.shutdown()
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -37,7 +37,9 @@ serves.
 """
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -95,13 +97,25 @@ def server_config(local_devices: int):
     return config
 
 
-def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int) -> int:
+def config_path(tf_config: cluster.TFConfig, task: int) -> str:
+    """Where a serving worker leaves the run configuration it was started with."""
+    return marker_path(tf_config, task)[:-len(".status")] + ".config.json"
+
+
+def described(config) -> dict:
+    """A RunConfig as JSON values (what worker 0 compares with each worker's)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, config) -> int:
     """A serving worker: the TensorFlow server for the stages worker 0 places here, up
     until worker 0 ends; returns the exit status this process should end with."""
     label = f"worker {tf_config.rank} of {tf_config.num_workers}"
     marker = marker_path(tf_config, tf_config.rank)
     if os.path.exists(marker):
         os.unlink(marker)   # a previous job's
+    with open(config_path(tf_config, tf_config.rank), "w") as f:
+        json.dump(described(config), f)   # worker 0 reads it before the first step
     rendezvous.wait_for_peers(tf_config, timeout)
     tf.distribute.Server(tf.train.ClusterSpec(tf_config.cluster), job_name="worker",
                          task_index=tf_config.task_index, protocol="grpc",
@@ -115,20 +129,25 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int) -> in
             time.sleep(POLL_SECONDS)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        os.unlink(config_path(tf_config, tf_config.rank))
     return _status_left_for(marker, label)
 
 
 def _status_left_for(marker: str, label: str) -> int:
+    """The status worker 0 left in the marker; none (or an empty one: worker 0 clears it
+    when a run starts) means it ended without finishing."""
     try:
         with open(marker) as f:
-            status = int(f.read().strip() or EXIT_CLUSTER_ERROR)
+            text = f.read().strip()
         os.unlink(marker)
-    except (OSError, ValueError):
+    except OSError:
+        text = ""
+    if not text.isdigit():
         log.error("pipeline: %s: worker 0, which drives the pipeline, ended without "
                   "finishing (see its log); this worker ends too", label)
         return EXIT_CLUSTER_ERROR
-    log.info("pipeline: %s: worker 0 ended with status %d; this worker ends too", label, status)
-    return status
+    log.info("pipeline: %s: worker 0 ended with status %s; this worker ends too", label, text)
+    return int(text)
 
 
 _connected = []   # the cluster worker 0 joined: a process joins once, and runs may follow
@@ -168,6 +187,25 @@ def check_devices_per_worker(tf_config: cluster.TFConfig, expected: int) -> None
             f"TFDIST_SIMULATE_DEVICES (`tfdist launch --devices_per_worker K` sets it for all).")
 
 
+def check_same_flags(tf_config: cluster.TFConfig, config) -> None:
+    """Every serving worker must have been started with worker 0's flags: it serves what
+    worker 0 places, so another model or layout there means the launch was not one job.
+    Each worker's configuration is read on its own host, by an op placed there."""
+    mine = described(config)
+    for task in range(1, tf_config.num_workers):
+        with tf.device(f"/job:worker/replica:0/task:{task}/device:CPU:0"):
+            theirs = json.loads(tf.io.read_file(config_path(tf_config, task)).numpy())
+        differing = sorted(key for key in set(mine) | set(theirs) if mine.get(key) != theirs.get(key))
+        if differing:
+            key = differing[0]
+            raise UsageError(
+                f"--strategy=pipeline across workers: worker {task} "
+                f"({tf_config.worker_addresses[task]}) was started with other flags than "
+                f"worker 0: {key}={theirs.get(key)!r} there, {mine.get(key)!r} on worker 0"
+                f"{f' (and {len(differing) - 1} more)' if len(differing) > 1 else ''}. Start "
+                f"every worker with the same command (`tfdist launch` does).")
+
+
 def tell_workers(tf_config: cluster.TFConfig, status) -> None:
     """Worker 0's last word to each serving worker: the status it ends with, written
     on that worker's host by an op that runs in that worker's process."""
@@ -179,9 +217,10 @@ def tell_workers(tf_config: cluster.TFConfig, status) -> None:
 
 
 def peer_failure(error: Exception, tf_config: cluster.TFConfig) -> ClusterError:
+    from tfdist.parallel.multi_worker import peer_failure_summary
     return ClusterError(
         f"worker 0 of {tf_config.num_workers} (the pipeline's driver): a stage worker died or "
-        f"stopped answering ({type(error).__name__}: {str(error).splitlines()[0][:300]}). "
+        f"stopped answering ({type(error).__name__}: {peer_failure_summary(error.message)}). "
         f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts the group.")
 
 
@@ -256,10 +295,11 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
     watch = watchdog.for_process(config.collective_timeout,
                                  f"worker {tf_config.rank} of {tf_config.num_workers}")
     if tf_config.rank != DRIVER_RANK:
-        end_serving_worker(serve(tf_config, config.collective_timeout, len(local)))
+        end_serving_worker(serve(tf_config, config.collective_timeout, len(local), config))
     with watch.guard("joining the cluster"):
         connect_driver(tf_config, config.collective_timeout)
     check_devices_per_worker(tf_config, len(local))
+    check_same_flags(tf_config, config)
     devices = stage_devices(tf_config.num_workers, len(local), config.pipeline_stages)
     log.info("pipeline across %d workers: %d stage(s) x %d replica(s) (%d per worker group x "
              "%d local device(s))", tf_config.num_workers, config.pipeline_stages,

@@ -48,7 +48,12 @@ flags.DEFINE_bool("layout_strict", False, "dtensor: a variable no layout rule ma
 flags.DEFINE_integer("pipeline_stages", 2, "pipeline: stages, one device each.")
 flags.DEFINE_integer("microbatches", 1, "pipeline: micro-batches per step.")
 flags.DEFINE_string("pipeline_split", None, "pipeline: layer names that begin stages 2..S.")
-flags.DEFINE_string("pipeline_schedule", "gpipe", "pipeline: gpipe or 1f1b.")
+flags.DEFINE_string("pipeline_schedule", "gpipe",
+                    "pipeline: gpipe, 1f1b, interleaved_1f1b (Megatron-LM's, with "
+                    "--virtual_stages; --microbatches a multiple of --pipeline_stages) or "
+                    "zero_bubble (ZB-H1: backward split into input and weight gradients).")
+flags.DEFINE_integer("virtual_stages", 1, "pipeline, interleaved_1f1b: model chunks per device "
+                     "(the model is cut into pipeline_stages x virtual_stages chunks).")
 # Model.
 flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet, transformer, or MODULE:FUNCTION (your "
                     "function returning an uncompiled Keras model; give --loss).")
@@ -112,7 +117,7 @@ def config_from_flags() -> cfg.RunConfig:
         mesh=FLAGS.mesh, layout=FLAGS.layout, layout_strict=FLAGS.layout_strict,
         pipeline_stages=FLAGS.pipeline_stages, microbatches=FLAGS.microbatches,
         pipeline_split=tuple(FLAGS.pipeline_split.split(",")) if FLAGS.pipeline_split else None,
-        pipeline_schedule=FLAGS.pipeline_schedule,
+        pipeline_schedule=FLAGS.pipeline_schedule, virtual_stages=FLAGS.virtual_stages,
         model=cfg.ModelConfig(
             name=FLAGS.model, hidden_sizes=cfg.parse_ints(FLAGS.hidden_sizes, "hidden_sizes"),
             filters=cfg.parse_ints(FLAGS.filters, "filters"), num_layers=FLAGS.num_layers,

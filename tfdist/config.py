@@ -23,7 +23,8 @@ MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 COLLECTIVES = ("auto", "ring", "nccl", "tcp", "shm", "mpi")
 SHARDING = ("auto", "file", "data")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+INTERLEAVED = "interleaved_1f1b"   # the one schedule with --virtual_stages
 TRAINERS = ("loop", "fit")
 AUTO = -1
 
@@ -104,7 +105,8 @@ class RunConfig:
     pipeline_stages: int = 2          # pipeline: stages (devices per model replica)
     microbatches: int = 1             # pipeline: micro-batches per replica batch
     pipeline_split: Optional[Tuple[str, ...]] = None  # pipeline: layer names that start stages 2..S
-    pipeline_schedule: str = "gpipe"  # pipeline: gpipe or 1f1b
+    pipeline_schedule: str = "gpipe"  # pipeline: gpipe, 1f1b, interleaved_1f1b, zero_bubble
+    virtual_stages: int = 1           # pipeline, interleaved_1f1b: model chunks per device
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     global_batch_size: int = 64
@@ -146,6 +148,8 @@ class RunConfig:
         _positive("pipeline_stages", self.pipeline_stages)
         _positive("microbatches", self.microbatches)
         _one_of("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        validate_pipeline_schedule(self.pipeline_schedule, self.pipeline_stages,
+                                   self.microbatches, self.virtual_stages)
         _positive("global_batch_size", self.global_batch_size)
         _positive("train_steps", self.train_steps, allow_zero=True)
         _positive("epochs", self.epochs, allow_zero=True)
@@ -179,6 +183,30 @@ class RunConfig:
         require(1 <= start <= stop,
                 f"--profile_steps must be START,STOP with 1 <= START <= STOP, got {start},{stop}.")
         require(self.model_dir, "--profile_steps needs --model_dir (the trace is written under it).")
+
+
+def validate_pipeline_schedule(schedule: str, stages: int, microbatches: int,
+                               virtual_stages: int) -> None:
+    """--virtual_stages and the interleaved schedule's micro-batch rule (pure Python: the
+    config and PipelineParallelism both check it, before anything is built)."""
+    _positive("virtual_stages", virtual_stages)
+    require(virtual_stages == 1 or schedule == INTERLEAVED,
+            f"--virtual_stages={virtual_stages} only applies to --pipeline_schedule={INTERLEAVED}"
+            f" (got --pipeline_schedule={schedule}, which runs one model chunk per device). Use "
+            f"--pipeline_schedule={INTERLEAVED}, or drop --virtual_stages.")
+    # Megatron-LM's rule: its interleaved order takes the micro-batches in groups of S.
+    require(schedule != INTERLEAVED or microbatches % stages == 0,
+            f"--pipeline_schedule={INTERLEAVED} needs --microbatches to be a multiple of "
+            f"--pipeline_stages (Megatron-LM's interleaved schedule runs the micro-batches in "
+            f"groups of one per stage); got --microbatches={microbatches} with "
+            f"--pipeline_stages={stages} (--virtual_stages={virtual_stages}). Use --microbatches="
+            f"{_multiples(stages, microbatches)}, or --pipeline_schedule=1f1b (any number of "
+            f"micro-batches; interleaved_1f1b with --virtual_stages=1 is exactly 1f1b).")
+
+
+def _multiples(stages: int, microbatches: int) -> str:
+    below = (microbatches // stages) * stages
+    return " or ".join(str(m) for m in (below, below + stages) if m > 0)
 
 
 DEFAULT_EPOCHS = 20

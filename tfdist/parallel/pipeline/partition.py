@@ -203,28 +203,48 @@ def layer_params(layer) -> int:
     return total
 
 
-def partition_model(model, num_stages: int, split: Optional[Sequence[str]] = None) -> Partition:
-    """Returns the stages of `model`: at `split` (layer names starting stages 2..S) or balanced."""
+def partition_model(model, num_stages: int, split: Optional[Sequence[str]] = None,
+                    virtual_stages: int = 1) -> Partition:
+    """Returns the stages of `model`: at `split` (layer names starting stages 2..S) or balanced.
+
+    With virtual_stages V > 1 (the interleaved schedule) the model is cut into S * V
+    chunks, the Partition's stages, in model order; placement puts chunk c on device c mod S."""
     layers = chain_layers(model)
     names = [layer.name for layer in layers]
-    require(num_stages <= len(layers),
-            f"--pipeline_stages={num_stages} is more than the {len(layers)} layers of model "
+    pieces = num_stages * virtual_stages
+    asked = _asked(num_stages, virtual_stages)
+    require(pieces <= len(layers),
+            f"{asked} is more than the {len(layers)} layers of model "
             f"'{model.name}' ({', '.join(names)}); every stage needs at least one layer.")
     _single_node_layers(layers)
     costs = [layer_params(layer) for layer in layers]
     if split:
-        cuts = _named_cuts(model, layers, names, num_stages, split)
+        cuts = _named_cuts(model, layers, names, pieces, split, asked)
     else:
         valid = [i for i in range(1, len(layers)) if _cut_problem(model, layers, i) is None]
-        cuts = balanced_cuts(costs, num_stages, valid, model.name)
+        require(len(valid) >= pieces - 1 or virtual_stages == 1,
+                f"{asked} needs {pieces - 1} cuts, but model '{model.name}' has only "
+                f"{len(valid)} place(s) where one computed tensor (and any model inputs) "
+                f"crosses between layers. Use fewer --virtual_stages or --pipeline_stages, or "
+                f"name the {pieces - 1} cuts with --pipeline_split.")
+        cuts = balanced_cuts(costs, pieces, valid, model.name)
     return _make_partition(model, layers, costs, cuts)
 
 
-def _named_cuts(model, layers, names, num_stages, split) -> List[int]:
+def _asked(num_stages: int, virtual_stages: int) -> str:
+    """The flags that set the number of pieces, for messages."""
+    if virtual_stages == 1:
+        return f"--pipeline_stages={num_stages}"
+    return (f"--pipeline_stages={num_stages} x --virtual_stages={virtual_stages} "
+            f"({num_stages * virtual_stages} model chunks)")
+
+
+def _named_cuts(model, layers, names, num_stages, split, asked=None) -> List[int]:
     split = list(split)
+    asked = asked or f"--pipeline_stages={num_stages}"
     require(len(split) == num_stages - 1,
             f"--pipeline_split names {len(split)} layer(s) ({', '.join(split)}) but "
-            f"--pipeline_stages={num_stages} needs {num_stages - 1} (the first layer of "
+            f"{asked} needs {num_stages - 1} (the first layer of "
             f"stages 2..{num_stages}).")
     for name in split:
         require(name in names, f"--pipeline_split layer {name!r} is not a layer of model "

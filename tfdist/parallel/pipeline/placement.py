@@ -7,6 +7,11 @@ call, so they are created on that device (public API: clone_model's
 call_function). The clone then copies the reference weights exactly, so every
 replica starts from the single-device initialisation.
 
+With the interleaved schedule the partition has S * V stages (model chunks) for S
+devices: chunk c lives on devices[c mod S], so a device holds V chunks, each a
+PlacedStage of its own (sub-model, variables, optimizer); the schedule chains the
+ops of a device, not of a chunk.
+
 Each stage of each replica gets its own optimizer, created and built under the
 stage's device, so its iteration counter, learning rate and slots live there
 (Keras also colocates a slot with its variable). Stage k's computation is a
@@ -64,8 +69,11 @@ class StageOptimizers:
 
 def place_replica(reference: keras.Model, partition: Partition, devices: List[str],
                   optimizer_fn: Callable) -> PlacedReplica:
-    """A copy of `reference` with stage k on devices[k], plus one optimizer per stage."""
-    device_of = {name: devices[stage.index]
+    """A copy of `reference` with stage k on devices[k mod len(devices)] (one stage per
+    device, or V interleaved chunks per device), plus one optimizer per stage."""
+    assert len(partition.stages) % len(devices) == 0, (len(partition.stages), devices)
+    chunk_device = [devices[stage.index % len(devices)] for stage in partition.stages]
+    device_of = {name: chunk_device[stage.index]
                  for stage in partition.stages for name in stage.layers}
 
     def call_on_stage_device(layer, *args, **kwargs):
@@ -80,11 +88,11 @@ def place_replica(reference: keras.Model, partition: Partition, devices: List[st
     stages = []
     for stage in partition.stages:
         sub_model, sends = _stage_model(clone, partition, stage.index)
-        with tf.device(devices[stage.index]):
+        with tf.device(chunk_device[stage.index]):
             optimizer = optimizer_fn()
             optimizer.build(sub_model.trainable_variables)
         before = partition.stages[stage.index - 1].boundary if stage.index else ()
-        stages.append(PlacedStage(stage.index, devices[stage.index], sub_model,
+        stages.append(PlacedStage(stage.index, chunk_device[stage.index], sub_model,
                                   list(sub_model.trainable_variables), optimizer,
                                   tuple(t.differentiable for t in before),
                                   tuple(t.differentiable for t in stage.boundary), sends))

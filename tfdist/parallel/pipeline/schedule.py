@@ -10,10 +10,11 @@ How it runs: stage k of replica r is recorded on its own GradientTape per
 micro-batch, under tf.device(stage device). A backward op is
 `tape.gradient(stage output, variables + [stage input], output_gradients=grad
 of stage output)`, so the only tensors that cross devices are the boundary
-activation (forward) and its gradient (backward). A schedule is, per stage,
-the order of its forward and backward ops; each op gets a control dependency
-on the stage's previous op, which is what imposes the order on TensorFlow's
-dataflow executor (across stages, ops run as soon as their inputs arrive).
+activation (forward) and its gradient (backward). A schedule is, per device,
+the order of its forward and backward ops (device_orders); each op gets a
+control dependency on the device's previous op (the stage's, with one stage
+per device), which is what imposes the order on TensorFlow's dataflow executor
+(across devices, ops run as soon as their inputs arrive).
 When several tensors cross a cut (partition.py), each is sent forward, and the
 gradient of each float computed one is sent back; integer and boolean tensors
 (a padding mask) and model inputs get none. Orders:
@@ -21,7 +22,27 @@ gradient of each float computed one is sent back; integer and boolean tensors
   the activations of all M micro-batches.
 - 1f1b: S-k-1 warm-up forwards, then one forward / one backward (PipeDream-
   flush); stage k holds at most min(S-k, M) micro-batches' activations.
-Backward ops run in micro-batch order in both, so both give the same numbers.
+- interleaved_1f1b (--virtual_stages=V): Megatron-LM's interleaved 1F1B. The
+  model is cut into S*V chunks, chunk c on device c mod S; a device's order
+  mixes its V chunks (interleaved_order), so the control dependencies chain the
+  ops of a DEVICE, not of a chunk. Bubble (S-1)/(V*M) of the ideal step, for
+  more held activations: device d holds up to min(2(S-d-1) + (V-1)S + 1, VM)
+  chunk micro-batches (each 1/V of a stage), all VM when M == S (Megatron runs
+  all forwards first then). M must be a multiple of S; V=1 is exactly 1f1b.
+- zero_bubble (ZB-H1, Qi et al. 2023): the backward split into B (the gradient
+  for the stage's inputs, what goes back to stage k-1) and W (the gradient for
+  its variables); 1F1B's order with stage k deferring k W ops into the bubble
+  at the end (zero_bubble_order). A micro-batch is held from F to W: min(S, M)
+  on every stage, the peak 1F1B has on stage 0. Bubble (S-1)(F+B-W)/(M(F+B+W))
+  of the ideal, (S-1)/(3M) when F, B and W cost the same.
+  How B and W share one backward: B builds ONE tape.gradient for the inputs and
+  the variables; the ops only the variable gradients need (the dW matmuls, bias
+  and embedding gradients) get, when W's turn comes, a control input from the
+  op before W on the device, so the executor runs them in W's slot. Nothing is
+  computed twice: B + W are exactly the fused backward (tests count the FLOPs).
+Every schedule runs each chunk's backward (or W) ops in micro-batch order, so
+all give the same numbers. peak_live and simulate (pure Python) replay a
+schedule's orders and report what each device holds and the bubble.
 
 Hybrid: with R replicas the stage-k gradient sums of all replicas are added on
 replica 0's stage-k device and every replica's stage-k optimizer applies that
@@ -34,10 +55,14 @@ the batch is read and split under the name scope INPUT), which lets tests
 recognise every cross-device edge of the placed graph.
 """
 
-from typing import List, Tuple
+import collections
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfdist import config as config_lib
+from tfdist.errors import require
 from tfdist.train import step as step_math
 
 BOUNDARY_ACTIVATION = "pipeline_boundary_activation"
@@ -47,6 +72,7 @@ GRADIENT_SUM = "pipeline_replica_gradient_sum"
 MICROBATCH_LOSS = "pipeline_microbatch_loss"
 INPUT = "pipeline_input"
 FORWARD, BACKWARD = "forward", "backward"
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"   # zero_bubble's B, W
 
 
 def split_microbatches(tensor, microbatches: int) -> list:
@@ -72,15 +98,179 @@ def one_f_one_b_order(num_stages: int, microbatches: int, stage: int) -> List[Tu
     return order
 
 
+def zero_bubble_order(num_stages: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
+    """ZB-H1: 1F1B's order with the backward split into B and W, stage k deferring k W ops.
+
+    Stage k runs min(S-k, M) forwards (1F1B's warm-up and its first forward), then per
+    micro-batch B, the oldest deferred W once k are waiting, and the next forward; the
+    k deferred W ops end the step, in the bubble where stage k waits for stage 0 in 1F1B
+    (the B chain back to stage 0 no longer waits for W on the way). W runs in
+    micro-batch order (the same sums); each stage holds min(S, M) micro-batches."""
+    forwards = min(num_stages - stage, microbatches)
+    order = [(FORWARD, m) for m in range(forwards)]
+    waiting = collections.deque()
+    for b in range(microbatches):
+        order.append((BACKWARD_INPUT, b))
+        waiting.append(b)
+        if len(waiting) > stage:
+            order.append((BACKWARD_WEIGHT, waiting.popleft()))
+        if forwards < microbatches:
+            order.append((FORWARD, forwards))
+            forwards += 1
+    return order + [(BACKWARD_WEIGHT, m) for m in waiting]
+
+
+# Per-stage orders of (kind, micro-batch): the schedules with one chunk per device.
 SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+
+
+def interleaved_order(num_stages: int, microbatches: int, device: int,
+                      virtual_stages: int) -> List[Tuple[str, int, int]]:
+    """Megatron-LM's interleaved 1F1B on one device: [(kind, chunk, micro-batch)].
+
+    As Megatron's forward_backward_pipelining_with_interleaving: the device's i-th
+    forward is for its local chunk j = (i mod SV) // S, micro-batch (i // SV) * S + i mod S
+    (groups of S micro-batches go through one chunk, then the next); its i-th backward
+    is for local chunk V-1-j of the same micro-batch. Warm-up: 2(S-d-1) + (V-1)S forwards,
+    or all VM when M == S; then one forward, one backward; then the rest of the backwards.
+    Local chunk j of device d is model chunk j*S + d. V=1 is 1F1B (Megatron's
+    non-interleaved schedule)."""
+    if virtual_stages == 1:
+        return [(kind, device, m)
+                for kind, m in one_f_one_b_order(num_stages, microbatches, device)]
+    config_lib.validate_pipeline_schedule(config_lib.INTERLEAVED, num_stages, microbatches,
+                                          virtual_stages)
+    total, group = microbatches * virtual_stages, num_stages * virtual_stages
+    if microbatches == num_stages:
+        warmup = total
+    else:
+        warmup = min((num_stages - device - 1) * 2 + (virtual_stages - 1) * num_stages, total)
+
+    def op(kind, i):
+        local = (i % group) // num_stages
+        if kind != FORWARD:
+            local = virtual_stages - 1 - local
+        return kind, local * num_stages + device, (i // group) * num_stages + i % num_stages
+
+    order = [op(FORWARD, i) for i in range(warmup)]
+    for i in range(total - warmup):
+        order += [op(FORWARD, warmup + i), op(BACKWARD, i)]
+    return order + [op(BACKWARD, i) for i in range(total - warmup, total)]
+
+
+def device_orders(schedule: str, num_stages: int, microbatches: int,
+                  virtual_stages: int = 1) -> List[List[Tuple[str, int, int]]]:
+    """Per device d < S, its ops in order: (kind, model chunk, micro-batch). Every schedule
+    but interleaved_1f1b has one chunk per device (chunk d on device d)."""
+    if schedule == config_lib.INTERLEAVED:
+        return [interleaved_order(num_stages, microbatches, d, virtual_stages)
+                for d in range(num_stages)]
+    config_lib.validate_pipeline_schedule(schedule, num_stages, microbatches, virtual_stages)
+    per_stage = dict(SCHEDULES, zero_bubble=zero_bubble_order)
+    require(schedule in per_stage, f"Unknown --pipeline_schedule {schedule!r}. Valid choices: "
+                                   f"{', '.join(config_lib.PIPELINE_SCHEDULES)}.")
+    return [[(kind, d, m) for kind, m in per_stage[schedule](num_stages, microbatches, d)]
+            for d in range(num_stages)]
+
+
+def _releases(kind: str, schedule_kinds: set) -> bool:
+    """The op after which a chunk no longer holds a micro-batch's activations."""
+    return kind == BACKWARD_WEIGHT or (kind == BACKWARD and BACKWARD_WEIGHT not in schedule_kinds)
+
+
+@dataclasses.dataclass
+class ScheduleStats:
+    """What simulate() found: per device the most chunk micro-batches held at once
+    (forward built, last backward op not yet), and with op costs the step's timing."""
+    peak_live: List[int]
+    makespan: float          # time of the last op's end, each device running its order
+    work: float              # busy time per device (equal on every device)
+
+    @property
+    def bubble(self) -> float:
+        """Idle time as a fraction of the ideal (bubble-free) step: (makespan - work) / work."""
+        return (self.makespan - self.work) / self.work
+
+
+def simulate(schedule: str, num_stages: int, microbatches: int, virtual_stages: int = 1,
+             costs: Sequence[float] = (1.0, 1.0, 1.0)) -> ScheduleStats:
+    """Replays a schedule in pure Python as the step runs it: each device its order, an
+    op starting when the device is free and its inputs exist (free communication).
+
+    costs = (F, B, W) of one STAGE per micro-batch (a chunk costs 1/V of that); a fused
+    backward costs B + W. Raises RuntimeError if the orders deadlock."""
+    f, b, w = (c / virtual_stages for c in costs)
+    duration = {FORWARD: f, BACKWARD: b + w, BACKWARD_INPUT: b, BACKWARD_WEIGHT: w}
+    orders = device_orders(schedule, num_stages, microbatches, virtual_stages)
+    kinds = {kind for order in orders for kind, _, _ in order}
+    chunks = num_stages * virtual_stages
+    done = {}           # ("act" | "grad" | "weight", chunk, m) -> finish time
+    clock = [0.0] * num_stages
+    live, peak = [0] * num_stages, [0] * num_stages
+    position = [0] * num_stages
+    while any(position[d] < len(orders[d]) for d in range(num_stages)):
+        progressed = False
+        for d in range(num_stages):
+            while position[d] < len(orders[d]):
+                kind, c, m = orders[d][position[d]]
+                needs = _needs(kind, c, m, chunks)
+                if any(key not in done for key in needs):
+                    break
+                start = max([clock[d]] + [done[key] for key in needs])
+                clock[d] = start + duration[kind]
+                done[_makes(kind, c, m)] = clock[d]
+                if kind == FORWARD:
+                    live[d] += 1
+                    peak[d] = max(peak[d], live[d])
+                elif _releases(kind, kinds):
+                    live[d] -= 1
+                position[d] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks at "
+                               f"{[order[p:p + 1] for order, p in zip(orders, position)]}")
+    return ScheduleStats(peak, max(clock), microbatches * sum(costs))
+
+
+def _needs(kind: str, c: int, m: int, chunks: int) -> list:
+    if kind == FORWARD:
+        return [("act", c - 1, m)] if c else []
+    if kind == BACKWARD_WEIGHT:
+        return [("grad", c, m)]
+    return [("act", c, m)] + ([("grad", c + 1, m)] if c < chunks - 1 else [])
+
+
+def _makes(kind: str, c: int, m: int) -> tuple:
+    return ("act" if kind == FORWARD else "weight" if kind == BACKWARD_WEIGHT else "grad", c, m)
+
+
+def peak_live(schedule: str, num_stages: int, microbatches: int,
+              virtual_stages: int = 1) -> List[int]:
+    """Per device, the most chunk micro-batches whose forward activations it holds at once."""
+    return simulate(schedule, num_stages, microbatches, virtual_stages).peak_live
+
+
+def live_bound(schedule: str, num_stages: int, microbatches: int, virtual_stages: int = 1,
+               device: int = 0) -> int:
+    """Each schedule's stated activation-memory bound on `device`, in chunk micro-batches
+    (tests hold peak_live to it)."""
+    S, M, V, d = num_stages, microbatches, virtual_stages, device
+    if schedule == "gpipe":
+        return M
+    if schedule == "zero_bubble":
+        return min(S, M)
+    if schedule == config_lib.INTERLEAVED and V > 1:
+        return V * M if M == S else min(2 * (S - d - 1) + (V - 1) * S + 1, V * M)
+    return min(S - d, M)   # 1f1b, and interleaved_1f1b with V = 1
 
 
 class _ReplicaRun:
     """The tensors of one replica's step, filled in as the schedule's ops are built.
 
-    act[(k, m)] is the list of tensors stage k sends for micro-batch m (the
-    micro-batch loss, alone, for the last stage; the features for k = -1) and
-    grad[(k, m)] the gradients coming back for them (None where none flows)."""
+    act[(k, m)] is the list of tensors chunk k sends for micro-batch m (the
+    micro-batch loss, alone, for the last chunk; the features for k = -1) and
+    grad[(k, m)] the gradients coming back for them (None where none flows).
+    A chunk is a stage, or with virtual stages one of a device's V chunks."""
 
     def __init__(self, stages, x_parts, y_parts, w_parts, loss_fn, replica):
         self.stages, self.y_parts, self.w_parts, self.replica = stages, y_parts, w_parts, replica
@@ -90,22 +280,36 @@ class _ReplicaRun:
         self.act = {(-1, m): x for m, x in enumerate(x_parts)}
         self.grad = {(num_stages - 1, m): None for m in range(len(x_parts))}  # d loss/d act
         self.tapes = {}
-        self.sums = [None] * num_stages     # per stage: variable gradients, summed over m
-        self.previous = [[] for _ in stages]  # per stage: outputs of its last scheduled op
+        self.deferred = {}      # (k, m) -> (variable gradients, the ops only they need): B ran
+        self.split = {}         # (k, m) -> (B's ops, W's ops) of zero_bubble's one backward
+        self.gates = {}         # (k, m) -> the ops W's ops were ordered after
+        self.sums = [None] * num_stages     # per chunk: variable gradients, summed over m
+        self.previous = {}      # per DEVICE: outputs of its last scheduled op
+        self.live = collections.Counter()   # per device: micro-batches held (built F, not
+        self.peak = collections.Counter()   # yet the op that frees them); and the most
 
     def ready(self, kind: str, k: int, m: int) -> bool:
         if kind == FORWARD:
             return (k - 1, m) in self.act
+        if kind == BACKWARD_WEIGHT:
+            return (k, m) in self.deferred
         return (k, m) in self.act and (k, m) in self.grad
 
     def build(self, kind: str, k: int, m: int) -> None:
         stage = self.stages[k]
         scope = f"replica_{self.replica}_stage_{k}_{kind}"
-        # The control dependency on the stage's previous op is what imposes the order.
+        build = {FORWARD: self._forward, BACKWARD: self._backward,
+                 BACKWARD_INPUT: self._backward_input, BACKWARD_WEIGHT: self._backward_weight}
+        # The control dependency on the device's previous op is what imposes the order.
         with tf.device(stage.device), tf.name_scope(scope), \
-                tf.control_dependencies(self.previous[k]):
-            outputs = self._forward(stage, m) if kind == FORWARD else self._backward(stage, m)
-        self.previous[k] = outputs
+                tf.control_dependencies(self.previous.get(stage.device, [])):
+            outputs = build[kind](stage, m)
+        self.previous[stage.device] = outputs
+        if kind == FORWARD:
+            self.live[stage.device] += 1
+            self.peak[stage.device] = max(self.peak[stage.device], self.live[stage.device])
+        elif kind in (BACKWARD, BACKWARD_WEIGHT):
+            self.live[stage.device] -= 1
 
     def _forward(self, stage, m: int) -> list:
         k, last = stage.index, stage.index == len(self.stages) - 1
@@ -125,7 +329,9 @@ class _ReplicaRun:
         self.act[(k, m)] = out
         return out
 
-    def _backward(self, stage, m: int) -> list:
+    def _gradients(self, stage, m: int) -> Tuple[list, list]:
+        """(variable gradients, input gradients) of chunk k for micro-batch m: one
+        backward through its tape, from the gradients that came back for what it sent."""
         k, last = stage.index, stage.index == len(self.stages) - 1
         inputs = _differentiable(self.act[(k - 1, m)], stage.differentiable_inputs) if k else []
         sources = list(stage.variables) + inputs
@@ -139,20 +345,97 @@ class _ReplicaRun:
         grads = (tape.gradient(targets, sources, output_gradients=output_grads) if targets
                  else [None] * len(sources))  # only integer tensors sent: nothing flows back
         grads = [_zeros_if_none(g, v) for g, v in zip(grads, sources)]
-        var_grads = grads[:len(stage.variables)]
-        # Backward ops run in micro-batch order in every schedule: the same sums.
+        return grads[:len(stage.variables)], grads[len(stage.variables):]
+
+    def _accumulate(self, stage, var_grads) -> None:
+        # Backward (or W) ops run in micro-batch order in every schedule: the same sums.
+        k = stage.index
         self.sums[k] = var_grads if self.sums[k] is None else [
             accumulate(a, b) for a, b in zip(self.sums[k], var_grads)]
-        if k > 0:
-            self.grad[(k - 1, m)] = self._send_back(stage, grads[len(stage.variables):])
-        sent = [g for g in self.grad.get((k - 1, m)) or [] if g is not None]
-        return sent or [g.values if isinstance(g, tf.IndexedSlices) else g for g in var_grads]
+
+    def _sent(self, stage, m: int) -> list:
+        """The input gradients chunk k sends back for micro-batch m (once computed)."""
+        return [g for g in self.grad.get((stage.index - 1, m)) or [] if g is not None]
+
+    def _backward(self, stage, m: int) -> list:
+        var_grads, input_grads = self._gradients(stage, m)
+        self._accumulate(stage, var_grads)
+        if stage.index > 0:
+            self.grad[(stage.index - 1, m)] = self._send_back(stage, input_grads)
+        return self._sent(stage, m) or _dense(var_grads) or self.previous.get(stage.device, [])
+
+    def _backward_input(self, stage, m: int) -> list:
+        """zero_bubble's B: the whole backward is built once, here; what only the variable
+        gradients need is recorded and held back until W (_backward_weight)."""
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations()) if graph is not None else 0
+        var_grads, input_grads = self._gradients(stage, m)
+        if stage.index > 0:
+            self.grad[(stage.index - 1, m)] = self._send_back(stage, input_grads)
+        sent = self._sent(stage, m)
+        created = [] if graph is None else graph.get_operations()[before:]
+        held = _weight_only(_flat(var_grads), sent, created)
+        self.split[(stage.index, m)] = ([op for op in created if op not in set(held)], held)
+        self.deferred[(stage.index, m)] = (var_grads, held)
+        # Nothing sent (chunk 0, or only integer inputs): B has no work; keep the chain.
+        return sent or self.previous.get(stage.device, [])
+
+    def _backward_weight(self, stage, m: int) -> list:
+        """zero_bubble's W: the variable-gradient ops built by B start after the device's
+        previous op, and the micro-batch's gradients join the sums (micro-batch order)."""
+        var_grads, held = self.deferred.pop((stage.index, m))
+        gate = [t.op for t in self.previous.get(stage.device, [])]
+        self.gates[(stage.index, m)] = gate
+        for op in _first(held):
+            # Private, no public API to order an op after its creation (tf.control_dependencies
+            # only covers ops created inside it); canary: test_pipeline_schedules.py::
+            # test_add_control_input_canary.
+            op._add_control_inputs(gate)
+        self._accumulate(stage, var_grads)
+        return _dense(var_grads) or self.previous.get(stage.device, [])   # no variables: the chain
 
     def _send_back(self, stage, input_grads) -> list:
         """One entry per tensor stage k-1 sent: the gradient, or None for an integer one."""
         grads = iter(input_grads)
         return [tf.identity(next(grads), name=BOUNDARY_GRADIENT) if wanted else None
                 for wanted in stage.differentiable_inputs]
+
+
+def _dense(grads) -> list:
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+def _flat(grads) -> list:
+    out = []
+    for g in grads:
+        out += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+    return out
+
+
+def _weight_only(weight_tensors, input_tensors, new_ops) -> list:
+    """The ops among `new_ops` (those one tape.gradient created) that only compute
+    `weight_tensors`: not also needed for `input_tensors` (which B sends now)."""
+    new = set(new_ops)
+
+    def ancestors(tensors):
+        seen, stack = set(), [t.op for t in tensors]
+        while stack:
+            op = stack.pop()
+            if op in seen or op not in new:
+                continue
+            seen.add(op)
+            stack += [t.op for t in op.inputs] + list(op.control_inputs)
+        return seen
+
+    weight_only = ancestors(weight_tensors) - ancestors(input_tensors)
+    return [op for op in new_ops if op in weight_only]
+
+
+def _first(ops) -> list:
+    """The ops of `ops` that no other one of them feeds: gating these gates all of them."""
+    among = set(ops)
+    return [op for op in ops if not any(t.op in among for t in op.inputs)
+            and not any(c in among for c in op.control_inputs)]
 
 
 def run_stage(stage, received, last: bool, training: bool):
@@ -180,24 +463,31 @@ def _differentiable(tensors: list, mask) -> list:
     return [t for t, wanted in zip(tensors, mask) if wanted]
 
 
-def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, replica: int = 0):
+def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, replica: int = 0,
+                virtual_stages: int = 1, stats: Dict = None):
     """Builds one replica's forward and backward ops in schedule order.
 
-    Returns (micro-batch losses, per stage its variable gradients summed over m,
-    the last stage's outputs per micro-batch).
+    `stages` are the S * V chunks (V = virtual_stages; chunk c on device c mod S).
+    Returns (micro-batch losses, per chunk its variable gradients summed over m,
+    the last stage's outputs per micro-batch). `stats`, if given, receives
+    "peak_live": per device (index d < S) the most micro-batches whose activations
+    were held at once while the ops were built (what simulate() predicts).
     """
     run = _ReplicaRun(stages, x_parts, y_parts, w_parts, loss_fn, replica)
     num_stages, microbatches = len(stages), len(x_parts)
-    pending = [list(SCHEDULES[schedule](num_stages, microbatches, k)) for k in range(num_stages)]
+    num_devices = num_stages // virtual_stages
+    pending = device_orders(schedule, num_devices, microbatches, virtual_stages)
     while any(pending):
         progressed = False
-        for k in range(num_stages):  # each stage builds its next op once its inputs exist
-            while pending[k] and run.ready(pending[k][0][0], k, pending[k][0][1]):
-                kind, m = pending[k].pop(0)
-                run.build(kind, k, m)
+        for d in range(num_devices):  # each device builds its next op once its inputs exist
+            while pending[d] and run.ready(*pending[d][0]):
+                run.build(*pending[d].pop(0))
                 progressed = True
         if not progressed:
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {pending}")
+    if stats is not None:
+        stats["peak_live"] = [run.peak[stages[d].device] for d in range(num_devices)]
+        stats["split"], stats["gates"] = run.split, run.gates
     losses = [run.act[(num_stages - 1, m)][0] for m in range(microbatches)]
     grads = []
     for stage, sums in zip(stages, run.sums):
@@ -291,7 +581,7 @@ def _concat(parts):
 
 
 def make_train_step(replicas, microbatches: int, loss_fn, schedule: str = "gpipe",
-                    on_outputs=None, clip=None):
+                    on_outputs=None, clip=None, virtual_stages: int = 1):
     """Returns a tf.function step(iterator) -> global-batch loss; on_outputs (the
     metrics' update) gets the step's (y, y_pred, w).
 
@@ -305,7 +595,8 @@ def make_train_step(replicas, microbatches: int, loss_fn, schedule: str = "gpipe
                 # R consecutive per-replica batches make one global step
                 x_parts, y_parts, w_parts = split_microbatches_of(next(iterator), microbatches)
             replica_losses, grads, predictions = run_replica(
-                replica.stages, x_parts, y_parts, w_parts, loss_fn, schedule, r)
+                replica.stages, x_parts, y_parts, w_parts, loss_fn, schedule, r,
+                virtual_stages)
             losses.extend(replica_losses)
             replica_grads.append(grads)
             outputs.extend(zip(y_parts, predictions, w_parts))

@@ -41,3 +41,25 @@ def test_stop_and_rerun_continues_exactly(mode, tmp_path):
     tail = equivalence.Record("uninterrupted", straight.losses[10:], straight.weights)
     assert len(resumed.losses) == 10
     equivalence.assert_equivalent(tail, resumed, rtol=1e-6)
+
+
+@pytest.mark.parametrize("first,second", [
+    (dict(simulate_devices=4, pipeline_stages=2), dict(simulate_devices=4, pipeline_stages=4)),
+    (dict(simulate_devices=2, pipeline_stages=2), dict(simulate_devices=4, pipeline_stages=2)),
+    (dict(simulate_devices=4, pipeline_stages=4), dict(simulate_devices=2, pipeline_stages=2)),
+], ids=["2 stages x 2 replicas -> 4 stages", "1 replica -> 2 replicas", "4 stages -> 2 stages"])
+def test_a_pipeline_checkpoint_restores_onto_another_layout(first, second, tmp_path):
+    """Saved with one stage and replica count, resumed with another:
+    the run continues as the uninterrupted one (1e-5: other layouts, same math)."""
+    def run(layout, model_dir, steps, label):
+        fields = dict(strategy="pipeline", microbatches=2, **layout)
+        return equivalence.train(small_config(
+            model=ModelConfig(name="mlp"), data=DataConfig(name="digits"), optimizer="adam",
+            train_steps=steps, model_dir=str(model_dir), checkpoint_every=5, **fields), label)
+
+    straight = run(first, tmp_path / "straight", 20, "uninterrupted")
+    run(first, tmp_path / "split", 10, "first half")
+    resumed = run(second, tmp_path / "split", 20, "resumed on another layout")
+    assert len(resumed.losses) == 10
+    equivalence.assert_equivalent(
+        equivalence.Record("uninterrupted", straight.losses[10:], straight.weights), resumed)

@@ -88,6 +88,10 @@ class Parallelism(abc.ABC):
     # data-parallel workers): metric states are then summed over the workers.
     workers_hold_own_outputs = False
 
+    def restored(self) -> None:
+        """Called after a checkpoint was read into checkpoint_objects(): a mode that saves
+        one copy of what several hold (the pipeline's replicas) hands it on here."""
+
     def sum_over_workers(self, value):
         """Element-wise sum of a float32 array over the job's processes, each counted once."""
         return value

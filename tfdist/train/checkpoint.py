@@ -45,9 +45,9 @@ def fingerprint(config, model) -> Dict:
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
         "layout": _layout_description(config) if config.strategy == "dtensor" else None,
-        # A pipeline checkpoint holds per-replica, per-stage objects.
-        "pipeline": ([config.pipeline_stages, config.simulate_devices]
-                     if config.strategy == "pipeline" else None),
+        # A pipeline checkpoint holds replica 0's model and optimizer state by variable
+        # path, so it restores onto any stage or replica count (pipeline/checkpoint.py).
+        "pipeline": None,
         "variables": [[v.path, list(v.shape)] for v in model.variables],
     }))
 

@@ -134,6 +134,8 @@ class TrainingLoop:
         """Trains to plan.total_steps, resuming from --model_dir's newest good checkpoint."""
         checkpointer = self._make_checkpointer()
         start_step = checkpointer.restore() if checkpointer else 0
+        if start_step:
+            self.parallel.restored()
         watcher = preemption.PreemptionWatcher() if checkpointer else contextlib.nullcontext()
         with watcher:
             return self._train(plan, start_step, checkpointer, watcher)

@@ -121,13 +121,14 @@ class PipelineParallelism(Parallelism):
         model.set_weights(trained_model.get_weights())
 
     def checkpoint_objects(self, model, optimizer) -> Dict:
-        """Every replica's copy and every stage optimizer: a restore sets them all."""
-        objects = {}
-        for r, replica in enumerate(self.replicas):
-            objects[f"replica_{r}"] = replica.model
-            for stage in replica.stages:
-                objects[f"replica_{r}_stage_{stage.index}_optimizer"] = stage.optimizer
-        return objects
+        """Replica 0's model and stage-optimizer state, keyed so that another stage or
+        replica count restores them (pipeline/checkpoint.py); restored() copies them on."""
+        from tfdist.parallel.pipeline import checkpoint as pipeline_checkpoint
+        return pipeline_checkpoint.portable_objects(self.replicas)
+
+    def restored(self) -> None:
+        from tfdist.parallel.pipeline import checkpoint as pipeline_checkpoint
+        pipeline_checkpoint.spread_restored(self.replicas)
 
     def _refuse_batch_statistics(self, model) -> None:
         """BatchNorm over a micro-batch (or one replica's batch) is not the full-batch math."""

@@ -7,10 +7,13 @@ Suites:
              (same model, strategy and data); the goal is a ratio >= 0.95.
   allreduce  nccl-tests-style all-reduce bandwidth, 1 MB to 64 MB, across
              --workers processes started with `tfdist launch`, for each
-             --collectives choice: TF's auto, ring (nccl only where there are
-             GPUs), tfdist's tcp ring and its shared-memory shm.
-  throughput 2 workers (TF's collectives, --collective=tcp and =shm) vs 1 worker,
-             one thread each, on a compute-bound MLP, and PyTorch DDP gloo
+             --collectives choice (default auto,ring,tcp,shm,mpi,mpi_tcp): TF's
+             auto, ring (nccl only where there are GPUs), tfdist's tcp ring, its
+             shared-memory shm, and MPI_Allreduce (--collective=mpi, under
+             `tfdist launch --mpi`) over Open MPI's shared memory (mpi) and TCP
+             only (mpi_tcp); the mpi ones are skipped where MPI is not installed.
+  throughput 2 workers (TF's collectives, --collective=tcp, =shm and =mpi) vs 1
+             worker, one thread each, on a compute-bound MLP, and PyTorch DDP gloo
              when torch is installed.
   bubble     pipeline step time against micro-batches M and stages S, next to the
              GPipe bubble formula (S-1)/(M+S-1).
@@ -56,7 +59,8 @@ flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); so
 flags.DEFINE_integer("trials", 5, "Alternating trials per contender; medians are reported.")
 flags.DEFINE_integer("simulate_devices", 2, "Simulated CPU devices (loop suite).")
 flags.DEFINE_integer("workers", 2, "Worker processes (allreduce suite).")
-flags.DEFINE_string("collectives", "auto,ring,tcp,shm", "allreduce and soak: implementations to compare.")
+flags.DEFINE_string("collectives", "auto,ring,tcp,shm", "allreduce and soak: implementations to "
+                    "compare (allreduce's default: auto,ring,tcp,shm,mpi,mpi_tcp).")
 flags.DEFINE_string("sizes_mb", "1,2,4,8,16,32,64", "allreduce: message sizes in MB.")
 flags.DEFINE_integer("bytes_per_pack", 0, "throughput: also run 2 workers with this pack size.")
 flags.DEFINE_string("scaling_modes", scaling.DEFAULT_CONTENDERS,
@@ -95,7 +99,8 @@ def allreduce_worker():
     import json
     from tfdist.benchmarks import allreduce
     from tfdist.parallel import multi_worker
-    config = cfg.RunConfig(strategy="multi_worker_mirrored", collective=FLAGS.collectives,
+    collective = allreduce.VARIANTS[FLAGS.collectives][0]   # mpi_tcp: mpi, held to TCP
+    config = cfg.RunConfig(strategy="multi_worker_mirrored", collective=collective,
                            simulate_devices=0)
     parallel = multi_worker.build_multi_worker(config)
     rows = allreduce.sweep(parallel, FLAGS.collectives,
@@ -109,11 +114,13 @@ def run_allreduce_suite():
     """Launches one worker group per collective implementation; collects the chief's rows."""
     import json
     import subprocess
+    from tfdist.benchmarks import allreduce   # TF only inside its functions: not imported here
     rows = []
-    for collective in FLAGS.collectives.split(","):
-        command = [sys.executable, "-m", "tfdist.launch", "--workers", str(FLAGS.workers), "--",
-                   sys.executable, "-m", "experiments.benchmark", "--suite=allreduce", "--worker",
-                   f"--collectives={collective}", f"--sizes_mb={FLAGS.sizes_mb}"]
+    names = allreduce.parse_collectives(_given_or("collectives", allreduce.DEFAULT_COLLECTIVES),
+                                        given=FLAGS["collectives"].present)
+    for collective in names:
+        command = allreduce.launch_command(sys.executable, FLAGS.workers, collective,
+                                           FLAGS.sizes_mb)
         result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
         if result.returncode != 0:
             raise UsageError(f"allreduce workers for {collective} failed:\n{result.stdout[-2000:]}")

@@ -113,3 +113,34 @@ def test_the_chaos_suite_kills_restarts_and_counts(tmp_path):
     assert len(row["resumed_at"].split()) == 2 and int(row["examples_checked"]) > 0
     float(row["max_rel_weight_diff"])   # a number: the run finished and was compared
     assert (tmp_path / "chaos.md").read_text() in done.stdout
+
+
+# --------------------------------------------------------------------------- allreduce: the mpi rows
+
+def test_allreduce_names_map_to_a_collective_and_a_launch():
+    from tfdist.benchmarks import allreduce
+    assert allreduce.DEFAULT_COLLECTIVES.split(",") == ["auto", "ring", "tcp", "shm", "mpi",
+                                                        "mpi_tcp"]
+    launch = allreduce.launch_command("python", 2, "mpi_tcp", "1")
+    assert launch[:8] == ["python", "-m", "tfdist.launch", "--workers", "2", "--mpi",
+                          "--mpi_args", "--mca pml ob1 --mca btl tcp,self"]
+    assert "--collectives=mpi_tcp" in launch and allreduce.VARIANTS["mpi_tcp"][0] == "mpi"
+    assert "--mpi" not in allreduce.launch_command("python", 2, "shm", "1")
+    with pytest.raises(UsageError, match="Unknown collective 'gloo' in --collectives='tcp,gloo'. "
+                                         "Valid choices: auto, ring, nccl, tcp, shm, mpi, mpi_tcp"):
+        allreduce.parse_collectives("tcp,gloo", given=True)
+
+
+@pytest.mark.slow
+def test_the_allreduce_suite_times_mpi_over_shared_memory_and_tcp(tmp_path):
+    from tfdist.benchmarks import allreduce
+    if allreduce.mpi_missing():
+        pytest.skip(f"MPI not installed: {allreduce.mpi_missing()}")
+    done = run_suite(["--suite=allreduce", "--collectives=mpi,mpi_tcp", "--sizes_mb=1"],
+                     tmp_path, timeout=240)
+    columns, rows = read_csv(tmp_path / "allreduce.csv")
+    assert columns == ["collective", "replicas", "bytes", "time_ms", "algbw_GBps", "busbw_GBps"]
+    assert [(r["collective"], r["replicas"], r["bytes"]) for r in rows] == [
+        ("mpi", "2", str(1 << 20)), ("mpi_tcp", "2", str(1 << 20))]
+    assert all(float(r["busbw_GBps"]) > 0 for r in rows)
+    assert (tmp_path / "allreduce.md").read_text() in done.stdout

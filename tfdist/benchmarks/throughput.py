@@ -5,7 +5,8 @@ data, every process limited to one thread (TF_NUM_INTRAOP_THREADS=1 and
 TF_NUM_INTEROP_THREADS=1; torch.set_num_threads(1)). Contenders run as separate
 process groups, alternating trial by trial so machine noise hits all alike;
 medians are reported. PyTorch DDP (gloo) runs only when torch is importable
-(optional extra: `pip install torch`).
+(optional extra: `pip install torch`); `--collective=mpi` (under `tfdist launch
+--mpi`, Open MPI's shared memory) only when mpi4py and Open MPI's mpirun are.
 """
 
 import importlib.util
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from tfdist.benchmarks import allreduce   # TF-free at import
+
 ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
               "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 TRAIN_FLAGS = ["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
@@ -23,7 +26,7 @@ TRAIN_FLAGS = ["--model=mlp", "--hidden_sizes=1024,1024", "--dataset=synthetic",
                "--optimizer=sgd", "--log_every=100000"]
 
 
-def _tfdist_rate(workers: int, steps: int, extra_flags=()) -> float:
+def _tfdist_rate(workers: int, steps: int, extra_flags=(), launch_flags=()) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "r.json")
         train = [sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
@@ -31,8 +34,8 @@ def _tfdist_rate(workers: int, steps: int, extra_flags=()) -> float:
         if workers == 1:
             command = train + ["--strategy=default", "--simulate_devices=0"]
         else:
-            command = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers), "--",
-                       *train, "--strategy=multi_worker_mirrored"]
+            command = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers),
+                       *launch_flags, "--", *train, "--strategy=multi_worker_mirrored"]
         subprocess.run(command, env=dict(os.environ, **ONE_THREAD), check=True,
                        capture_output=True, text=True, timeout=1800)
         with open(results) as f:
@@ -63,6 +66,12 @@ def contenders(steps: int, bytes_per_pack: int):
         "tfdist 2 workers, --collective=tcp": lambda: _tfdist_rate(2, steps, ["--collective=tcp"]),
         "tfdist 2 workers, --collective=shm": lambda: _tfdist_rate(2, steps, ["--collective=shm"]),
     }
+    if allreduce.mpi_missing() is None:   # Open MPI's shared memory, as `tfdist launch --mpi` sets it
+        runs["tfdist 2 workers, --collective=mpi"] = lambda: _tfdist_rate(
+            2, steps, ["--collective=mpi"], ["--mpi"])
+    else:
+        print(f"throughput: no --collective=mpi contender: {allreduce.mpi_missing()}",
+              file=sys.stderr, flush=True)
     if bytes_per_pack:
         runs[f"tfdist 2 workers, bytes_per_pack={bytes_per_pack}"] = lambda: _tfdist_rate(
             2, steps, [f"--bytes_per_pack={bytes_per_pack}"])

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 from tfdist import config as cfg
 from tfdist.errors import require
-from tfdist.plan import inventory as inventory_lib
+from tfdist.plan import collectives, inventory as inventory_lib
 from tfdist.plan.memory import Workload
 from tfdist.plan.recommend import (Evaluated, Hardware, Plan, device_names, gib, recommend,
                                    smallest_need, summarize)
@@ -138,8 +138,9 @@ def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
     device_flag = "--simulate_devices" if hardware.device_type == "cpu" else "--num_gpus"
     if hardware.workers == 1 or hardware.device_type == "gpu":
         flags.append(f"{device_flag}={per_worker}")
-    if shared_memory_fits(c, hardware, args.dtype):
-        flags.append("--collective=shm")
+    collective = collective_for(evaluated, args, hardware).collective
+    if collective is not None:
+        flags.append(f"--collective={collective}")
     if c.strategy == "dtensor":
         flags += [f"--mesh=batch={c.replicas},model={c.model_ways}", f"--layout={c.layout}"]
     if c.strategy == "pipeline":
@@ -148,12 +149,15 @@ def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
     return flags
 
 
-def shared_memory_fits(candidate, hardware: Hardware, dtype: str) -> bool:
-    """CPU workers that `tfdist launch` starts on this host, one device each: tfdist's
-    shared-memory all-reduce, the fastest exact choice there (README, throughput);
-    it sums one device per worker and leaves mixed_float16 to TF's collectives."""
-    return (candidate.strategy == "multi_worker_mirrored" and hardware.device_type == "cpu"
-            and hardware.devices == hardware.workers and dtype != "mixed_float16")
+def collective_for(evaluated: Evaluated, args, hardware: Hardware) -> collectives.Choice:
+    """CPU workers that `tfdist launch` starts on this host, one device each: the exact
+    collective that trained fastest there (collectives.py holds the measured tables), MPI
+    only where it is installed; every other layout keeps TF's collectives. The gradients'
+    size only picks which all-reduce bandwidth the reason shows."""
+    inventory, _ = _inventory(args)
+    gradient_bytes = 4 * sum(w.size for w in inventory.weights if w.trainable)
+    return collectives.choose(evaluated.candidate.strategy, hardware.device_type,
+                              hardware.devices, hardware.workers, args.dtype, gradient_bytes)
 
 
 def command(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
@@ -163,7 +167,10 @@ def command(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
     train = ["python", "-m", "experiments.train", *train_flags(evaluated, args, hardware)]
     if hardware.workers == 1 or hardware.device_type == "gpu":
         return train
-    launch = ["tfdist", "launch", "--workers", str(hardware.workers)]
+    launch = ["tfdist", "launch"]
+    if collective_for(evaluated, args, hardware).collective == "mpi":
+        launch.append("--mpi")     # Open MPI's mpirun starts the ranks (shared memory on one host)
+    launch += ["--workers", str(hardware.workers)]
     if hardware.device_type == "cpu":
         launch += ["--devices_per_worker", str(hardware.devices // hardware.workers)]
     if evaluated.candidate.strategy == "dtensor":
@@ -184,10 +191,16 @@ def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
         "shortfall_bytes": None if chosen else _shortfall(plan, hw),
         "recommended": _candidate_json(chosen, hw) if chosen else None,
         "command": command(chosen, args, hw) if runnable else None,
+        "collective": _collective_json(chosen, args, hw) if chosen else None,
         "run_on": ("every worker host" if hw.workers > 1 and hw.device_type == "gpu"
                    else "this host"),
         "candidates": [_candidate_json(e, hw) for e in plan.evaluated],
     }
+
+
+def _collective_json(chosen: Evaluated, args, hw: Hardware) -> Optional[Dict]:
+    choice = collective_for(chosen, args, hw)
+    return {"name": choice.collective, "reason": choice.reason} if choice.collective else None
 
 
 def _shortfall(plan: Plan, hw: Hardware) -> Optional[int]:
@@ -219,6 +232,9 @@ def table(plan: Plan, args, work: Workload, hw: Hardware) -> str:
         lines.append("(activations not estimated for a --params model)")
     lines += ["", plan.reason]
     if plan.chosen and work.inventory.model != inventory_lib.PARAMS_ONLY:
+        choice = collective_for(plan.chosen, args, hw)
+        if choice.collective:
+            lines += ["", choice.reason]
         lines += ["", run_it_heading(plan.chosen, hw), "  " + shlex.join(command(plan.chosen, args, hw))]
     elif plan.chosen:
         lines += ["", f"Recommended: {plan.chosen.candidate.describe()} (a --params model has "

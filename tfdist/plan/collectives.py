@@ -1,0 +1,107 @@
+"""Which collective sums a plan's gradients: the fastest exact one this layout can run,
+read from measurements, not guessed.
+
+The layout tfdist's own all-reduces serve is CPU workers that `tfdist launch` starts
+on this host, one device each, float32 or mixed_bfloat16 (multi_worker.check_tcp_ring_config
+refuses the rest); every --collective there keeps the equivalence guarantee. The
+planner takes the one with the most training examples/s in THROUGHPUT, among those that
+can run here: `mpi` only where it is installed (mpi4py importable and an Open MPI mpirun
+found, checked without starting MPI). Every other layout keeps TF's collectives (no
+--collective flag).
+
+Why examples/s and not bandwidth: MPI_Allreduce moves 1-16 MB 2-13x faster than the
+shared-memory all-reduce in the bandwidth benchmark (BUS_GBPS), yet trains no faster
+with the step's gradients (THROUGHPUT); the planner recommends what trains fastest and
+prints the bandwidth beside it.
+
+THROUGHPUT is the README's "Multi-worker throughput" table (MLP 784-1024-1024-10, 7.1 MiB
+of float32 gradients, 2 workers, one thread each), from
+    python -m experiments.benchmark --suite=throughput --steps=300 --trials=3
+BUS_GBPS is its "All-reduce bandwidth" table (2 worker processes; medians over three runs) of
+    python -m experiments.benchmark --suite=allreduce --sizes_mb=1,4,16,64
+both on this 2-core shared host. Re-measure with those commands and replace both together.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import sys
+from typing import Dict, Optional, Tuple
+
+from tfdist.plan.recommend import gib
+
+MB = 1 << 20
+# collective -> {message MB: bus bandwidth GB/s, median of 3 runs}. "mpi" is Open MPI's shared memory
+# (`tfdist launch --mpi`); "mpi_tcp" its TCP transport, measured, never chosen on one host.
+BUS_GBPS: Dict[str, Dict[int, float]] = {
+    "auto": {1: 0.37, 4: 0.60, 16: 0.69, 64: 0.45},
+    "ring": {1: 0.42, 4: 0.61, 16: 0.78, 64: 0.42},
+    "tcp": {1: 0.47, 4: 0.99, 16: 1.19, 64: 0.98},
+    "shm": {1: 0.35, 4: 1.03, 16: 2.51, 64: 2.07},
+    "mpi": {1: 4.55, 4: 4.55, 16: 4.34, 64: 1.87},
+    "mpi_tcp": {1: 1.99, 4: 2.55, 16: 1.81, 64: 1.25},
+}
+# collective -> examples/s of 2 workers (medians of 3 trials; the suite's second run; its
+# first gave auto 13228, tcp 12668, shm 13102, mpi 9620: the same winner).
+THROUGHPUT = {"auto": 10382, "tcp": 10913, "shm": 14221, "mpi": 10910}
+THROUGHPUT_GRADIENT_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
+ONE_HOST = tuple(THROUGHPUT)   # what `tfdist launch` runs on one host, measured end to end
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    collective: Optional[str]    # the --collective flag to add; None: TF's default (auto)
+    reason: str
+
+
+def mpi_installed() -> Tuple[bool, str]:
+    """(usable, why not): mpi4py importable and an Open MPI mpirun found, without
+    importing mpi4py's MPI module (which would initialise MPI)."""
+    return _mpi_installed(sys.executable, os.environ.get("PATH", ""))
+
+
+@functools.lru_cache(maxsize=4)   # one `mpirun --version` per plan, not one per printed line
+def _mpi_installed(python: str, path: str) -> Tuple[bool, str]:
+    if importlib.util.find_spec("mpi4py") is None:
+        return False, "mpi4py is not installed"
+    from tfdist import launch      # TF-free; its resolve_mpirun runs `mpirun --version` only
+    from tfdist.errors import UsageError
+    try:
+        launch.resolve_mpirun()
+    except UsageError as error:
+        return False, str(error)
+    return True, ""
+
+
+def nearest_size(num_bytes: int) -> int:
+    """The bandwidth table's size (MB) nearest to num_bytes on a log scale."""
+    sizes = sorted(BUS_GBPS["shm"])
+    return min(sizes, key=lambda mb: abs(math.log2(max(num_bytes, 1) / (mb * MB))))
+
+
+def fastest(collectives) -> str:
+    return max(collectives, key=lambda c: THROUGHPUT[c])
+
+
+def choose(strategy: str, device_type: str, devices: int, workers: int, dtype: str,
+           gradient_bytes: int) -> Choice:
+    """The collective for a plan (see the module docstring for the rule)."""
+    if not (strategy == "multi_worker_mirrored" and device_type == "cpu"
+            and devices == workers and dtype != "mixed_float16"):
+        return Choice(None, "")
+    usable, why_not = mpi_installed()
+    available = [c for c in ONE_HOST if c != "mpi" or usable]
+    best = fastest(available)
+    trains = ", ".join(f"{c} {THROUGHPUT[c]:,}" for c in sorted(available, key=lambda c: -THROUGHPUT[c]))
+    size = nearest_size(gradient_bytes)
+    moves = ", ".join(f"{c} {BUS_GBPS[c][size]:.2f}" for c in available)
+    reason = (f"--collective={best}: the most examples/s measured for 2 workers on one host "
+              f"({trains}; README, Multi-worker throughput); all-reduce bus GB/s at {size} MB, "
+              f"nearest to this plan's {gib(gradient_bytes)} of gradients: {moves}")
+    if not usable:
+        reason += f". Without MPI ({why_not})"
+        if fastest(ONE_HOST) == "mpi":
+            reason += "; it would be faster"
+    return Choice(best, reason + ".")

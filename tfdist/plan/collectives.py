@@ -9,7 +9,7 @@ can run here: `mpi` only where it is installed (mpi4py importable and an Open MP
 found, checked without starting MPI). Every other layout keeps TF's collectives (no
 --collective flag).
 
-Why examples/s and not bandwidth: MPI_Allreduce moves 1-16 MB 2-13x faster than the
+Why examples/s and not bandwidth: MPI_Allreduce moves 1-16 MB 1.7-13x faster than the
 shared-memory all-reduce in the bandwidth benchmark (BUS_GBPS), yet trains no faster
 with the step's gradients (THROUGHPUT); the planner recommends what trains fastest and
 prints the bandwidth beside it.

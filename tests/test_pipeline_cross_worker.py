@@ -4,8 +4,9 @@ Real processes on loopback, TensorFlow's distributed runtime between them: worke
 drives, the others serve their stages (tfdist/parallel/pipeline/cluster.py).
 Equivalence, per-step losses and EVERY replica's every stage (as read from the
 worker that holds it) within 1e-5 relative of one device:
-- 2 workers, 2 stages: mlp with sgd and adam for M in {1, 4, 8} under gpipe and
-  1f1b; the transformer (an embedding: sparse gradients) with sgd and adam;
+- 2 workers, 2 stages: mlp with sgd and adam for M in {1, 4, 8} under gpipe, 1f1b
+  and zero_bubble, and M in {4, 8} under interleaved_1f1b (V=2); the transformer (an
+  embedding: sparse gradients) with sgd and adam under every schedule;
 - 4 workers: 4 stages, and 2 stages x 2 replicas (one pipeline per worker pair);
 - 2 workers x 2 local devices: 2 stages x 2 in-node replicas (the hybrid).
 param_bytes_per_device names each stage's device with its task. Bad input: stages
@@ -40,21 +41,27 @@ def named(configs):
     def name(c):
         model = c["model"] if isinstance(c["model"], str) else c["model"]["name"]
         return (f"{model}_{c['optimizer']}_S{c['pipeline_stages']}_M{c['microbatches']}_"
-                f"{c['pipeline_schedule']}")
+                f"{c['pipeline_schedule']}" + (f"_V{c['virtual_stages']}" if "virtual_stages" in c else ""))
     return {name(c): dict(c, train_steps=STEPS) for c in configs}
 
 
+INTERLEAVED = dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2)
 TWO_WORKERS = named(
     [mlp(o, pipeline_stages=2, microbatches=m, pipeline_schedule=s)
-     for o in ("sgd", "adam") for m in (1, 4, 8) for s in ("gpipe", "1f1b")]
+     for o in ("sgd", "adam") for m in (1, 4, 8) for s in ("gpipe", "1f1b", "zero_bubble")]
+    + [mlp(o, pipeline_stages=2, microbatches=m, **INTERLEAVED)   # M a multiple of S
+       for o in ("sgd", "adam") for m in (4, 8)]
     + [transformer(o, pipeline_stages=2, microbatches=4, pipeline_schedule=s)
-       for o, s in (("sgd", "1f1b"), ("adam", "gpipe"))])
+       for o, s in (("sgd", "1f1b"), ("adam", "gpipe"), ("adam", "zero_bubble"))]
+    + [transformer("sgd", pipeline_stages=2, microbatches=4, **INTERLEAVED)])
 FOUR_WORKERS = named([
     mlp("adam", pipeline_stages=4, microbatches=4, pipeline_schedule="gpipe"),
     mlp("sgd", pipeline_stages=4, microbatches=8, pipeline_schedule="1f1b"),
     transformer("adam", pipeline_stages=4, microbatches=4, pipeline_schedule="1f1b"),
     mlp("adam", pipeline_stages=2, microbatches=4, pipeline_schedule="gpipe"),      # 2 x 2 replicas
     transformer("sgd", pipeline_stages=2, microbatches=4, pipeline_schedule="1f1b"),
+    mlp("adam", pipeline_stages=4, microbatches=8, pipeline_schedule="zero_bubble"),
+    mlp("sgd", pipeline_stages=2, microbatches=4, **INTERLEAVED),                     # 2 x 2 replicas
 ])
 IN_NODE_REPLICAS = named([
     mlp("adam", pipeline_stages=2, microbatches=4, pipeline_schedule="gpipe"),
@@ -74,7 +81,7 @@ def reference(model_key: str):
     """One device: per-step losses and {variable path: value}."""
     overrides = json.loads(model_key)
     config = small_config(strategy="default", simulate_devices=0, **from_json_overrides(
-        {k: v for k, v in overrides.items() if not k.startswith(("pipeline", "micro"))}))
+        {k: v for k, v in overrides.items() if not k.startswith(("pipeline", "micro", "virtual"))}))
     from tfdist.train import runner
     results, model = runner.run(config, return_model=True)
     return results["losses"], {v.path: v.numpy() for v in model.weights}

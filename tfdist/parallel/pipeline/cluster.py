@@ -296,10 +296,12 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
                                  f"worker {tf_config.rank} of {tf_config.num_workers}")
     if tf_config.rank != DRIVER_RANK:
         end_serving_worker(serve(tf_config, config.collective_timeout, len(local), config))
+    first_run = not _connected
     with watch.guard("joining the cluster"):
         connect_driver(tf_config, config.collective_timeout)
     check_devices_per_worker(tf_config, len(local))
-    check_same_flags(tf_config, config)
+    if first_run:   # the serving workers were started with the flags of worker 0's first run;
+        check_same_flags(tf_config, config)   # later runs of its process are its own to choose
     devices = stage_devices(tf_config.num_workers, len(local), config.pipeline_stages)
     log.info("pipeline across %d workers: %d stage(s) x %d replica(s) (%d per worker group x "
              "%d local device(s))", tf_config.num_workers, config.pipeline_stages,

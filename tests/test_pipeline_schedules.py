@@ -12,7 +12,6 @@ relative of `default`, for mlp and the transformer (sparse embedding gradients),
 and adam, S in {2, 4}, M in {1, 4, 8} where valid, and 2 stages x 2 replicas.
 """
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -20,7 +19,8 @@ import pytest
 import tensorflow as tf
 
 from helpers import run_cli
-from test_pipeline_parallel import assert_every_replica_and_stage_equivalent, same_device
+from test_pipeline_parallel import (assert_every_replica_and_stage_equivalent, classify,
+                                    cross_device_sends, same_device)
 from tfdist import data, parallel as parallel_lib
 from tfdist.config import PIPELINE_SCHEDULES, DataConfig, ModelConfig, RunConfig
 from tfdist.errors import UsageError
@@ -278,12 +278,14 @@ def matmul_flops(operations) -> int:
 def test_zero_bubble_b_and_w_are_the_fused_backward_split_not_recomputed(model):
     """The same matmul FLOPs as 1F1B's fused backward (B's and W's ops are disjoint parts
     of one tape.gradient); W's part is held back (gated) until W's turn."""
-    flops, held = {}, {}
+    flops, backward, held = {}, {}, {}
     for name in ("1f1b", "zero_bubble"):
         stats = []
         graph = traced_step(make_config("pipeline", model, "sgd", 4, 4, 4,
                                         pipeline_schedule=name), stats)
         flops[name] = matmul_flops(graph.get_operations())
+        backward[name] = matmul_flops(op for op in graph.get_operations()
+                                      if "gradient_tape" in op.name)
         held[name] = stats[0]
     assert flops["zero_bubble"] == flops["1f1b"] > 0
     held = held["zero_bubble"]
@@ -292,6 +294,7 @@ def test_zero_bubble_b_and_w_are_the_fused_backward_split_not_recomputed(model):
     b_flops = sum(matmul_flops(b_ops) for b_ops, _ in split.values())
     w_flops = sum(matmul_flops(w_ops) for _, w_ops in split.values())
     assert b_flops > 0 and w_flops > 0
+    assert b_flops + w_flops == backward["zero_bubble"] == backward["1f1b"]
     assert all(not set(b_ops) & set(w_ops) for b_ops, w_ops in split.values())
     # W's first ops (those no other W op feeds) wait for the op before W on the device.
     for key, (_, w_ops) in split.items():
@@ -336,6 +339,64 @@ def test_interleaved_1f1b_matches_default(model, optimizer, devices, stages, mic
 def test_zero_bubble_matches_default(model, optimizer, devices, stages, microbatches):
     assert_trains_like_default(model, optimizer, devices, stages, microbatches,
                                pipeline_schedule="zero_bubble")
+
+
+# --------------------------------------------------------------------------- placement
+
+ISOLATED = "TFDIST_PIPELINE_SCHEDULES_PLACEMENT"
+
+
+def test_placement_check_in_a_fresh_process(run_own_process):
+    """The cross-device check below, in its own process (as test_pipeline_parallel.py's)."""
+    result, requested, passed = run_own_process(ISOLATED, ["tests/test_pipeline_schedules.py"],
+                                                timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert len(passed) == 2 and set(requested) <= passed, (requested, passed)
+
+
+@pytest.mark.own_process(ISOLATED)
+@pytest.mark.parametrize("name,virtual", [("zero_bubble", 1), ("interleaved_1f1b", 2)])
+def test_only_boundary_tensors_cross_devices(name, virtual):
+    """In the placed step (2 stages x 2 replicas, M=2) only what crosses a chunk boundary
+    crosses devices: chunk c on device c mod S sends to c+1, the next device round the ring."""
+    from tfdist.data import pipeline as data_pipeline
+    devices, stages, microbatches = 4, 2, 2
+    config = make_config("pipeline", "mlp", "adam", devices, stages, microbatches,
+                         pipeline_schedule=name, virtual_stages=virtual)
+    parallel, model, optimizer, source = build(config)
+    step = parallel.make_train_step(model, optimizer, GLOBAL_BATCH, False)
+    dataset_fn = data_pipeline.train_dataset_fn(source, GLOBAL_BATCH, config.seed, config.data)
+    index = {tf.DeviceSpec.from_string(d).device_index: i for i, d in enumerate(parallel.devices)}
+
+    def position(device):
+        return divmod(index[tf.DeviceSpec.from_string(device).device_index], stages)
+
+    def ring(device, shift):   # the device `shift` stages round the ring, for classify
+        r, d = position(device)
+        return parallel.devices[r * stages + (d + shift) % stages]
+
+    kinds = []
+    for producer, source_device, target in cross_device_sends(
+            step, iter(parallel.distribute(dataset_fn))):
+        leaf = producer.rsplit("/", 1)[-1]
+        if leaf.startswith(schedule.BOUNDARY_ACTIVATION):    # c -> c+1: device d -> d+1 mod S
+            assert same_device(target, ring(source_device, 1)), (producer, source_device,
+                                                                   target)
+            kinds.append("activation")
+        elif leaf.startswith(schedule.BOUNDARY_GRADIENT):
+            assert same_device(target, ring(source_device, -1)), (producer, source_device,
+                                                                    target)
+            kinds.append("gradient")
+        else:
+            kinds.append(classify(producer, source_device, target, position, stages))
+    chunks = parallel.replicas[0].stages
+    boundaries = (devices // stages) * (len(chunks) - 1) * microbatches
+    # A gradient goes back to chunk c only if it uses it (a chunk of Flatten alone does not:
+    # TensorFlow prunes the send).
+    used = sum(1 for c in chunks[:-1] if c.variables or any(c.differentiable_inputs))
+    assert kinds.count("activation") == boundaries
+    assert kinds.count("gradient") == (devices // stages) * used * microbatches
+    assert used >= len(chunks) - 2
 
 
 # --------------------------------------------------------------------------- bad input

@@ -374,8 +374,8 @@ class _ReplicaRun:
             self.grad[(stage.index - 1, m)] = self._send_back(stage, input_grads)
         sent = self._sent(stage, m)
         created = [] if graph is None else graph.get_operations()[before:]
-        held = _weight_only(_flat(var_grads), sent, created)
-        self.split[(stage.index, m)] = ([op for op in created if op not in set(held)], held)
+        b_ops, held = _split_ops(_flat(var_grads), sent, created)
+        self.split[(stage.index, m)] = (b_ops, held)
         self.deferred[(stage.index, m)] = (var_grads, held)
         # Nothing sent (chunk 0, or only integer inputs): B has no work; keep the chain.
         return sent or self.previous.get(stage.device, [])
@@ -412,9 +412,9 @@ def _flat(grads) -> list:
     return out
 
 
-def _weight_only(weight_tensors, input_tensors, new_ops) -> list:
-    """The ops among `new_ops` (those one tape.gradient created) that only compute
-    `weight_tensors`: not also needed for `input_tensors` (which B sends now)."""
+def _split_ops(weight_tensors, input_tensors, new_ops) -> Tuple[list, list]:
+    """(B's, W's) ops among `new_ops` (those one tape.gradient created): what
+    `input_tensors` (which B sends now) need, and what only `weight_tensors` need."""
     new = set(new_ops)
 
     def ancestors(tensors):
@@ -427,8 +427,10 @@ def _weight_only(weight_tensors, input_tensors, new_ops) -> list:
             stack += [t.op for t in op.inputs] + list(op.control_inputs)
         return seen
 
-    weight_only = ancestors(weight_tensors) - ancestors(input_tensors)
-    return [op for op in new_ops if op in weight_only]
+    for_inputs = ancestors(input_tensors)
+    weight_only = ancestors(weight_tensors) - for_inputs
+    return ([op for op in new_ops if op in for_inputs],
+            [op for op in new_ops if op in weight_only])
 
 
 def _first(ops) -> list:

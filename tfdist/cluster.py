@@ -399,6 +399,20 @@ def _tasks_per_node(env: Mapping[str, str], num_nodes: int, ntasks: int) -> List
     return counts
 
 
+# --------------------------------------------------------------------------- a pipeline across workers
+
+def pipeline_stage_devices(num_workers: int, devices_per_worker: int, num_stages: int,
+                           kind: str = "CPU") -> List[str]:
+    """The devices of a pipeline whose stages live in different workers, replica after
+    replica (stage k of replica r at index r*S + k): the W/S groups of S consecutive
+    workers each hold one pipeline per local device, stage k of replica (g, d) on task
+    g*S + k, device d (tfdist/parallel/pipeline/cluster.py). Pure Python: the planner
+    names devices with it too."""
+    return [f"/job:worker/replica:0/task:{group * num_stages + k}/device:{kind}:{local}"
+            for group in range(num_workers // num_stages) for local in range(devices_per_worker)
+            for k in range(num_stages)]
+
+
 # --------------------------------------------------------------------------- the environment's clusters
 
 class ClusterDescription(NamedTuple):

@@ -209,7 +209,7 @@ def _shortfall(plan: Plan, hw: Hardware) -> Optional[int]:
 
 
 def _candidate_json(e: Evaluated, hw: Hardware) -> Dict:
-    names = device_names(hw)
+    names = device_names(hw, e.candidate)
     out = {"plan": e.candidate.describe(), **dataclasses.asdict(e.candidate), "problem": e.problem,
            "fits": e.fits(hw), "peak_bytes": e.peak}
     out["param_bytes_per_device"] = {names[d.device]: d.state for d in e.devices}

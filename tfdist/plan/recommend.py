@@ -11,7 +11,10 @@ Rules, in order (the first candidate that fits wins):
       divisor of the replica batch up to 4k, so the GPipe bubble
       (k-1)/(M+k-1) stays small), GPipe, or 1F1B when only its smaller
       activation peak fits. Models with BatchNorm only pipeline with M=1 and
-      one replica (a micro-batch's statistics are not the batch's).
+      one replica (a micro-batch's statistics are not the batch's). Across
+      workers the stages live in different workers, so k must divide the
+      workers; each worker's devices are in-node replicas of its stage
+      (tfdist/parallel/pipeline/cluster.py).
 A device may use (1 - reserve) of its memory: the rest is for the framework,
 kernels' workspaces and fragmentation.
 """
@@ -108,8 +111,11 @@ def runnable_problem(c: Candidate, work: Workload, hw: Hardware) -> Optional[str
     if c.strategy == "dtensor" and work.mixed_precision == "mixed_float16":
         return "dtensor does not support mixed_float16 (use mixed_bfloat16)"
     if c.strategy == "pipeline":
-        if hw.workers > 1:
-            return "pipeline runs in one process (no multi-worker pipeline yet)"
+        if hw.workers > 1 and hw.workers % c.stages:
+            return (f"{c.stages} stages do not divide the {hw.workers} workers (stages live in "
+                    f"different workers, W/S groups of S workers each hold a replica)")
+        if hw.workers > 1 and hw.device_type != "cpu":
+            return "a pipeline across workers places its stages on CPU devices only (this version)"
         if c.stages > len(inv.layers):
             return f"{c.stages} stages but the model has {len(inv.layers)} layers"
         if inv.has_batch_norm and c.replicas > 1:
@@ -179,10 +185,14 @@ def gib(n: float) -> str:
     return f"{int(n)} B"
 
 
-def device_names(hw: Hardware) -> List[str]:
-    """The names the run reports its devices by (param_bytes_per_device keys)."""
+def device_names(hw: Hardware, candidate: Optional[Candidate] = None) -> List[str]:
+    """The names the run reports its devices by (param_bytes_per_device keys), in the
+    order the candidate's mode lists them (a pipeline across workers: by stage)."""
+    from tfdist import cluster
     kind = hw.device_type.upper()
     per_worker = hw.devices // hw.workers
+    if candidate is not None and candidate.strategy == "pipeline" and hw.workers > 1:
+        return cluster.pipeline_stage_devices(hw.workers, per_worker, candidate.stages, kind)
     if hw.workers == 1:
         return [f"/job:localhost/replica:0/task:0/device:{kind}:{i}" for i in range(hw.devices)]
     return [f"/job:worker/replica:0/task:{t}/device:{kind}:{i}"

@@ -45,7 +45,6 @@ import os
 import signal
 import tempfile
 import time
-from typing import List
 
 import tensorflow as tf
 
@@ -58,17 +57,6 @@ from tfdist.parallel.pipeline import PipelineParallelism
 log = logging.getLogger("tfdist")
 DRIVER_RANK = 0
 POLL_SECONDS = 0.5
-
-
-def stage_devices(num_workers: int, devices_per_worker: int, num_stages: int) -> List[str]:
-    """Every replica's stage devices, replica after replica (stage k of replica r at
-    index r*S + k, as PipelineParallelism expects), named as TensorFlow names them."""
-    devices = []
-    for group in range(num_workers // num_stages):
-        for local in range(devices_per_worker):
-            devices += [f"/job:worker/replica:0/task:{group * num_stages + k}/device:CPU:{local}"
-                        for k in range(num_stages)]
-    return devices
 
 
 def check_layout(num_stages: int, tf_config: cluster.TFConfig) -> None:
@@ -302,7 +290,8 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
     check_devices_per_worker(tf_config, len(local))
     if first_run:   # the serving workers were started with the flags of worker 0's first run;
         check_same_flags(tf_config, config)   # later runs of its process are its own to choose
-    devices = stage_devices(tf_config.num_workers, len(local), config.pipeline_stages)
+    devices = cluster.pipeline_stage_devices(tf_config.num_workers, len(local),
+                                             config.pipeline_stages)
     log.info("pipeline across %d workers: %d stage(s) x %d replica(s) (%d per worker group x "
              "%d local device(s))", tf_config.num_workers, config.pipeline_stages,
              len(devices) // config.pipeline_stages, tf_config.num_workers // config.pipeline_stages,

@@ -120,8 +120,10 @@ def zero_bubble_order(num_stages: int, microbatches: int, stage: int) -> List[Tu
     return order + [(BACKWARD_WEIGHT, m) for m in waiting]
 
 
-# Per-stage orders of (kind, micro-batch): the schedules with one chunk per device.
+# Per-stage orders of (FORWARD | BACKWARD, micro-batch): the fused-backward schedules with one
+# chunk per device (tests/test_pipeline_parallel.py and the Colab notebook iterate these two).
 SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+_PER_STAGE = dict(SCHEDULES, zero_bubble=zero_bubble_order)
 
 
 def interleaved_order(num_stages: int, microbatches: int, device: int,
@@ -166,10 +168,9 @@ def device_orders(schedule: str, num_stages: int, microbatches: int,
         return [interleaved_order(num_stages, microbatches, d, virtual_stages)
                 for d in range(num_stages)]
     config_lib.validate_pipeline_schedule(schedule, num_stages, microbatches, virtual_stages)
-    per_stage = dict(SCHEDULES, zero_bubble=zero_bubble_order)
-    require(schedule in per_stage, f"Unknown --pipeline_schedule {schedule!r}. Valid choices: "
-                                   f"{', '.join(config_lib.PIPELINE_SCHEDULES)}.")
-    return [[(kind, d, m) for kind, m in per_stage[schedule](num_stages, microbatches, d)]
+    require(schedule in _PER_STAGE, f"Unknown --pipeline_schedule {schedule!r}. Valid choices: "
+                                    f"{', '.join(config_lib.PIPELINE_SCHEDULES)}.")
+    return [[(kind, d, m) for kind, m in _PER_STAGE[schedule](num_stages, microbatches, d)]
             for d in range(num_stages)]
 
 

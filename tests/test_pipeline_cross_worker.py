@@ -90,18 +90,19 @@ def reference(model_key: str):
 def check_run(out_dir, name, config, workers, devices_per_worker):
     record = json.loads((out_dir / f"{name}.json").read_text())
     stages, replicas = config["pipeline_stages"], workers // config["pipeline_stages"] * devices_per_worker
+    chunks = stages * config.get("virtual_stages", 1)   # interleaved: chunk c on stage c mod S
     assert record["num_replicas"] == replicas and len(record["losses"]) == STEPS
     losses, by_path = reference(json.dumps(config, sort_keys=True))
     assert not equivalence.loss_mismatches(equivalence.Record("default", losses, None),
                                            equivalence.Record(name, record["losses"], None))
     assert sorted(record["stages"]) == sorted(f"{r},{k}" for r in range(replicas)
-                                              for k in range(stages))
+                                              for k in range(chunks))
     for r in range(replicas):
-        held = sorted(p for k in range(stages) for p in record["stages"][f"{r},{k}"]["paths"])
+        held = sorted(p for k in range(chunks) for p in record["stages"][f"{r},{k}"]["paths"])
         assert held == sorted(by_path), f"{name}: replica {r}'s stages hold {held}"
     for key, stage in record["stages"].items():
         r, k = map(int, key.split(","))
-        task = (r // devices_per_worker) * stages + k
+        task = (r // devices_per_worker) * stages + k % stages
         assert stage["device"] == (f"/job:worker/replica:0/task:{task}/device:CPU:"
                                    f"{r % devices_per_worker}"), (key, stage["device"])
         if not stage["paths"]:

@@ -448,9 +448,6 @@ def test_cli_refuses_virtual_stages_without_interleaving():
         done.stderr + done.stdout)
 
 
-@pytest.mark.xfail(reason="build_pipeline does not pass config.virtual_stages to "
-                          "PipelineParallelism yet (one-line change owned elsewhere)",
-                   strict=False)
 def test_run_config_virtual_stages_reach_the_parallelism():
     config = make_config("pipeline", "mlp", "sgd", 4, 2, 4, pipeline_schedule="interleaved_1f1b",
                          virtual_stages=2)

@@ -232,5 +232,6 @@ def build_pipeline(config) -> PipelineParallelism:
     local = devices_lib.configure(config.simulate_devices, config.num_gpus)
     validate_layout(len(local), config.pipeline_stages, local)
     return PipelineParallelism(local, config.pipeline_stages, config.microbatches,
-                               config.pipeline_split, config.pipeline_schedule)
+                               config.pipeline_split, config.pipeline_schedule,
+                               config.virtual_stages)
 

@@ -217,8 +217,9 @@ class CrossWorkerPipeline(PipelineParallelism):
     agreement bounded by --collective_timeout, and the serving workers told how it ended."""
 
     def __init__(self, device_names, num_stages, microbatches, split, schedule_name,
-                 tf_config: cluster.TFConfig, timeout: float):
-        super().__init__(device_names, num_stages, microbatches, split, schedule_name)
+                 virtual_stages: int, tf_config: cluster.TFConfig, timeout: float):
+        super().__init__(device_names, num_stages, microbatches, split, schedule_name,
+                         virtual_stages)
         self.tf_config = tf_config
         self.watchdog = watchdog.for_process(
             timeout, f"worker 0 of {tf_config.num_workers} (the pipeline's driver)")
@@ -297,8 +298,8 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
              len(devices) // config.pipeline_stages, tf_config.num_workers // config.pipeline_stages,
              len(local))
     return CrossWorkerPipeline(devices, config.pipeline_stages, config.microbatches,
-                               config.pipeline_split, config.pipeline_schedule, tf_config,
-                               config.collective_timeout)
+                               config.pipeline_split, config.pipeline_schedule,
+                               config.virtual_stages, tf_config, config.collective_timeout)
 
 
 def end_serving_worker(status: int) -> None:

@@ -14,7 +14,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,23 +22,13 @@ import numpy as np
 import pytest
 
 from helpers import REPO
-from test_multi_worker_failures import rank_pids, wait_for_text
+from test_multi_worker_failures import free_ports, rank_pids, wait_for_text
 from test_restart import checkpoint_tensors
 from tfdist.errors import EXIT_CLUSTER_ERROR, EXIT_PREEMPTED
 
 STEPS = 400
 FLAGS = ["--strategy=pipeline", "--pipeline_stages=2", "--microbatches=4", "--model=mlp",
          "--optimizer=adam", "--global_batch_size=32", "--seed=3", "--log_every=10"]
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def start_by_hand(tmp_path, *extra):

@@ -1,0 +1,86 @@
+"""The pipeline benchmark suites (pipeline_overlap, torch_pipeline) at a tiny size, so they
+cannot rot: every row has the suite's columns and every number in it is positive. Speed
+is the suites' job, not this test's.
+
+Each suite runs one schedule only (1f1b here, gpipe in the other), which still reaches every
+runner: one process, a 2-worker pipeline launch, a 2-worker DTensor launch, and PyTorch's
+pipeline and tensor parallel scripts (skipped without torch). About 50 s here.
+"""
+
+import importlib.util
+
+import pytest
+
+from tfdist.benchmarks import pipeline_overlap, torch_pipeline
+
+pytestmark = pytest.mark.slow
+
+TINY = dict(steps=3, trials=1, input_dim=16, hidden=(16, 16, 16, 16), batch=32, microbatches=4)
+OVERLAP_KEYS = ["contender", "processes", "examples_per_sec_median", "trials", "speedup",
+                "formula", "ratio_to_formula", "overlap_speedup", "overlap_ratio_to_formula"]
+TORCH_KEYS = ["benchmark", "contender", "examples_per_sec_median", "trials",
+              "tfdist_over_pytorch"]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _numbers(row, keys):
+    for key in keys:
+        for word in str(row[key]).split():
+            yield key, float(word)
+
+
+def test_formulas():
+    assert pipeline_overlap.formula("gpipe", 2, 8) == pytest.approx(16 / 9)
+    assert pipeline_overlap.formula("1f1b", 4, 8) == pytest.approx(32 / 11)
+    assert pipeline_overlap.formula("interleaved_1f1b", 2, 8) == pytest.approx(32 / 17)
+    assert pipeline_overlap.formula("zero_bubble", 2, 8) == pytest.approx(48 / 25)
+    assert pipeline_overlap.formula(None, 2, 8) == 1.0
+
+
+def test_rows_from_trials():
+    rates = {pipeline_overlap.BASELINE: [100.0, 90.0, 110.0],
+             pipeline_overlap.SERIAL_PIPELINE: [80.0],
+             "tfdist gpipe, 2 worker processes": [150.0, 170.0, 160.0]}
+    meta = {pipeline_overlap.BASELINE: (None, 1), pipeline_overlap.SERIAL_PIPELINE: (None, 1),
+            "tfdist gpipe, 2 worker processes": ("gpipe", 2)}
+    rows = pipeline_overlap.rows_from(rates, meta, microbatches=8)
+    assert [list(row) for row in rows] == [OVERLAP_KEYS] * 3
+    assert rows[2]["speedup"] == 1.6 and rows[2]["formula"] == round(16 / 9, 3)
+    assert rows[2]["ratio_to_formula"] == round(1.6 / (16 / 9), 3)
+    assert rows[2]["overlap_speedup"] == 2.0 and rows[2]["trials"] == "150.0 170.0 160.0"
+    assert rows[0]["overlap_speedup"] == ""
+
+
+def test_pipeline_overlap_tiny(tmp_path):
+    rows, notes = pipeline_overlap.compare(schedules=("1f1b",), in_process=False, **TINY)
+    assert [row["contender"] for row in rows] == ["tfdist 1 process",
+                                                  "tfdist 1f1b, 2 worker processes"], notes
+    for row in rows:
+        assert list(row) == OVERLAP_KEYS
+        for key, value in _numbers(row, OVERLAP_KEYS[1:]):
+            assert value > 0, (key, row)
+    text = pipeline_overlap.write(rows, notes, str(tmp_path), "pipeline_overlap", "tiny")
+    assert "| contender |" in text and (tmp_path / "pipeline_overlap.csv").exists()
+
+
+def test_torch_pipeline_tiny(tmp_path):
+    rows, notes = torch_pipeline.compare(tp=(16, 64, 8), schedules=("gpipe",), **TINY)
+    names = [row["contender"] for row in rows]
+    expected = ["tfdist gpipe, 2 worker processes",
+                "tfdist dtensor megatron, mesh batch=1,model=2, 2 processes"]
+    if HAVE_TORCH:
+        expected.insert(1, "pytorch ScheduleGPipe, 2 processes (gloo)")
+        expected.append("pytorch ColwiseParallel + RowwiseParallel, 2 processes (gloo)")
+    else:
+        assert any("pip install torch" in note for note in notes)
+    assert names == expected, notes
+    for row in rows:
+        assert list(row) == TORCH_KEYS
+        tfdist_row = row["contender"].startswith("tfdist")
+        keys = TORCH_KEYS[2:] if tfdist_row and HAVE_TORCH else TORCH_KEYS[2:4]
+        for key, value in _numbers(row, keys):
+            assert value > 0, (key, row)
+    torch_pipeline.overlap.write(rows, notes, str(tmp_path), "torch_pipeline", "tiny")
+    assert (tmp_path / "torch_pipeline.md").exists()
+    if not HAVE_TORCH:
+        pytest.skip("torch not installed: pip install torch (PyTorch rows not checked)")

@@ -1,0 +1,275 @@
+"""Pipeline overlap across worker processes, one thread each, against the schedule's formula.
+
+    python -m tfdist.benchmarks.pipeline_overlap [--steps 30] [--trials 4]
+        -> a markdown table; benchmarks/results/pipeline_overlap.{csv,md}
+
+The same compute-bound MLP and global batch run (a) in one process on one thread
+(`--strategy=default`), (b) as a 2-stage pipeline inside that one process (both
+stages share its one thread: no overlap is possible, so this row measures what
+cutting the batch into M micro-batches and the pipeline's bookkeeping cost), and
+(c) as S=2 stages in 2 worker processes (`tfdist launch --workers 2`, worker 0
+drives and runs stage 0 and the input pipeline, worker 1 serves stage 1) with M=8
+micro-batches, for every schedule tfdist.config.PIPELINE_SCHEDULES lists.
+
+With balanced stages and free communication, a schedule's step takes the ideal
+T1/S times (1 + bubble), so its speedup over one process is:
+  gpipe, 1f1b            S*M / (M + S - 1)                  (bubble (S-1)/M)
+  interleaved_1f1b (V)   S*V*M / (V*M + S - 1)              (bubble (S-1)/(V*M))
+  zero_bubble (ZB-H1)    3*S*M / (3*M + S - 1)              (bubble (S-1)/(3M), F = B = W)
+Rows: examples/s median over alternating trials, speedup against the 1-process
+run, the formula and the ratio of the two (1.0: the schedule's ideal reached).
+
+Why the default model is 2048-2048x4-10 and not 784-4096x4-10: tfdist balances
+stages by parameter count, and the best cut of 784-4096x4-10 puts 33.6M of its
+53.7M parameters on one stage (63%), which caps 2 stages at 1.60x before any
+bubble (1.42x with M=8's bubble), so no run could come near the formula. With a
+2048-wide input every hidden layer costs the same and the cut is exact.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import json
+from typing import Callable, Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+STAGES = 2
+MICROBATCHES = 8
+VIRTUAL_STAGES = 2
+DEFAULT_INPUT = 2048
+DEFAULT_HIDDEN = (2048,) * 4
+GLOBAL_BATCH = 512
+BASELINE = "tfdist 1 process"
+SERIAL_PIPELINE = "tfdist gpipe, 2 stages in 1 process"
+
+
+class ContenderFailed(RuntimeError):
+    pass
+
+
+def mlp_flags(input_dim: int, hidden: Sequence[int], batch: int) -> List[str]:
+    return ["--model=mlp", f"--hidden_sizes={','.join(map(str, hidden))}",
+            "--dataset=synthetic", f"--synthetic_shape={input_dim}",
+            f"--synthetic_examples={max(4096, 4 * batch)}", f"--global_batch_size={batch}",
+            "--optimizer=sgd", "--log_every=100000"]
+
+
+def pipeline_flags(schedule: str, microbatches: int = MICROBATCHES,
+                   stages: int = STAGES) -> List[str]:
+    flags = ["--strategy=pipeline", f"--pipeline_stages={stages}",
+             f"--microbatches={microbatches}", f"--pipeline_schedule={schedule}"]
+    if schedule == "interleaved_1f1b":
+        flags.append(f"--virtual_stages={VIRTUAL_STAGES}")
+    return flags
+
+
+def env() -> Dict[str, str]:
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **ONE_THREAD)
+
+
+FAILURES: List[str] = []   # one line per failed attempt (retried), for the report's notes
+
+
+def run_rate(command: Sequence[str], results: str, timeout: float, attempts: int = 3) -> float:
+    """Runs one training command (one process or a launch) and returns its examples/s.
+
+    A failed attempt is retried (3 attempts) and recorded in FAILURES with its log kept in a
+    file: a worker group now and then ends with exit 3 after its last step (issue noted
+    in the report), and one such run must not cost a whole benchmark."""
+    for attempt in range(1, attempts + 1):
+        try:
+            result = subprocess.run(list(command), env=env(), cwd=REPO, capture_output=True,
+                                    text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ContenderFailed(f"timed out after {timeout:.0f} s: {' '.join(command)}")
+        if result.returncode == 0:
+            with open(results) as f:
+                return json.load(f)["examples_per_sec"]
+        fd, log = tempfile.mkstemp(prefix="tfdist-bench-failed-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(" ".join(command) + "\n" + result.stdout + result.stderr)
+        FAILURES.append(f"exit {result.returncode} (attempt {attempt}/{attempts}), log {log}: "
+                        f"{' '.join(command[-4:])}")
+        print(f"attempt {attempt} failed with exit {result.returncode}; log in {log}",
+              file=sys.stderr, flush=True)
+    raise ContenderFailed(f"exit {result.returncode} {attempts} times: {' '.join(command)}")
+
+
+def tfdist_rate(workers: int, steps: int, flags: Sequence[str], launch_flags=(),
+                timeout: float = 1800) -> float:
+    """examples/s of `python -m experiments.train FLAGS`, in one process or `workers` launched."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "r.json")
+        train = [sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
+                 f"--results_json={results}", *flags]
+        if workers > 1:
+            train = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers),
+                     *launch_flags, "--", *train]
+        return run_rate(train, results, timeout)
+
+
+def formula(schedule: Optional[str], stages: int, microbatches: int) -> float:
+    """The schedule's speedup over one process with balanced stages and free transfers."""
+    s, m = stages, microbatches
+    if schedule is None:
+        return 1.0
+    if schedule in ("gpipe", "1f1b"):
+        return s * m / (m + s - 1)
+    if schedule == "interleaved_1f1b":
+        v = VIRTUAL_STAGES
+        return s * v * m / (v * m + s - 1)
+    if schedule == "zero_bubble":
+        return 3 * s * m / (3 * m + s - 1)
+    raise ValueError(f"no formula for schedule {schedule!r}")
+
+
+def listed_schedules() -> Sequence[str]:
+    from tfdist import config   # TF-free
+    return config.PIPELINE_SCHEDULES
+
+
+def contenders(steps: int, input_dim: int, hidden: Sequence[int], batch: int,
+               microbatches: int, schedules: Sequence[str], notes: List[str],
+               in_process: bool = True):
+    """name -> (run() -> examples/s, schedule or None, processes)."""
+    base = mlp_flags(input_dim, hidden, batch)
+    listed = listed_schedules()
+    runs = {BASELINE: (lambda: tfdist_rate(
+        1, steps, base + ["--strategy=default", "--simulate_devices=0"]), None, 1)}
+    if in_process:
+        runs[SERIAL_PIPELINE] = (lambda: tfdist_rate(
+            1, steps, base + pipeline_flags("gpipe", microbatches) + ["--simulate_devices=2"]),
+            None, 1)
+    for schedule in schedules:
+        if schedule not in listed:
+            notes.append(f"{schedule}: skipped, not in tfdist.config.PIPELINE_SCHEDULES "
+                         f"({', '.join(listed)}) in this tree")
+            continue
+        label = schedule + (f" V={VIRTUAL_STAGES}" if schedule == "interleaved_1f1b" else "")
+        flags = base + pipeline_flags(schedule, microbatches)
+        runs[f"tfdist {label}, 2 worker processes"] = (
+            lambda flags=flags: tfdist_rate(STAGES, steps, flags), schedule, STAGES)
+    return runs
+
+
+def alternate(runs: Dict[str, Callable[[], float]], trials: int,
+              notes: List[str]) -> Dict[str, List[float]]:
+    """Trial by trial, every contender once per trial; a contender that fails is dropped."""
+    rates = {name: [] for name in runs}
+    failed = set()
+    for trial in range(trials):
+        for name, run in runs.items():
+            if name in failed:
+                continue
+            try:
+                rates[name].append(run())
+            except ContenderFailed as error:
+                failed.add(name)
+                notes.append(f"{name}: failed in trial {trial + 1}: {error}")
+            print(f"trial {trial + 1}/{trials} {name}: {rates[name][-1:]} "
+                  f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    return rates
+
+
+def load_note(before, after) -> str:
+    return (f"load average (1 min) {before[0]:.1f} at the start, {after[0]:.1f} at the end "
+            f"(5 min: {after[1]:.1f}) on {os.cpu_count()} cores")
+
+
+def compare(steps: int = 30, trials: int = 4, input_dim: int = DEFAULT_INPUT,
+            hidden: Sequence[int] = DEFAULT_HIDDEN, batch: int = GLOBAL_BATCH,
+            microbatches: int = MICROBATCHES,
+            schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+            in_process: bool = True):
+    """(rows, notes): one row per contender, medians of alternating trials."""
+    notes: List[str] = []
+    runs = contenders(steps, input_dim, hidden, batch, microbatches, schedules, notes,
+                      in_process)
+    before = os.getloadavg()
+    rates = alternate({name: run for name, (run, _, _) in runs.items()}, trials, notes)
+    notes += [f"failed attempt, retried: {line}" for line in FAILURES]
+    notes.append(load_note(before, os.getloadavg()))
+    return rows_from(rates, {name: (schedule, processes)
+                             for name, (_, schedule, processes) in runs.items()},
+                     microbatches), notes
+
+
+def rows_from(rates: Dict[str, List[float]], meta: Dict[str, tuple],
+              microbatches: int) -> List[Dict]:
+    """Rows from each contender's trials; meta: name -> (schedule or None, processes).
+
+    speedup is against one process on the whole batch (the issue's figure); overlap_speedup
+    against the 2-stage pipeline in one process, which runs the same micro-batch ops on one
+    thread, so it isolates what running the stages in two processes buys."""
+    def median_of(name):
+        return statistics.median(rates[name]) if rates.get(name) else None
+    baseline, serial = median_of(BASELINE), median_of(SERIAL_PIPELINE)
+    rows = []
+    for name, (schedule, processes) in meta.items():
+        median = median_of(name)
+        if median is None:
+            continue
+        ideal = formula(schedule, STAGES, microbatches)
+        row = {"contender": name, "processes": processes,
+               "examples_per_sec_median": round(median, 1),
+               "trials": " ".join(f"{x:.1f}" for x in rates[name]),
+               "speedup": round(median / baseline, 3) if baseline else "",
+               "formula": round(ideal, 3),
+               "ratio_to_formula": round(median / baseline / ideal, 3) if baseline else ""}
+        if serial and processes > 1:
+            row.update(overlap_speedup=round(median / serial, 3),
+                       overlap_ratio_to_formula=round(median / serial / ideal, 3))
+        else:
+            row.update(overlap_speedup="", overlap_ratio_to_formula="")
+        rows.append(row)
+    return rows
+
+
+def write(rows: List[Dict], notes: Sequence[str], out_dir: str, name: str, title: str) -> str:
+    from tfdist.benchmarks import report
+    os.makedirs(out_dir, exist_ok=True)
+    report.write_csv(rows, os.path.join(out_dir, f"{name}.csv"))
+    text = f"{title}\n\n{report.markdown_table(rows)}"
+    if notes:
+        text += "\n" + "".join(f"- {note}\n" for note in notes)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="steps per trial (first untimed)")
+    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--input_dim", type=int, default=DEFAULT_INPUT)
+    parser.add_argument("--hidden_sizes", default=",".join(map(str, DEFAULT_HIDDEN)))
+    parser.add_argument("--global_batch_size", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zero_bubble")
+    parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
+    return parser.parse_args(argv)
+
+
+def title(args) -> str:
+    return (f"MLP {args.input_dim}-{args.hidden_sizes.replace(',', '-')}-10, global batch "
+            f"{args.global_batch_size}, SGD, synthetic data, {args.steps} steps per trial (the "
+            f"first untimed), {args.trials} alternating trials, one thread per process; "
+            f"pipelines: {STAGES} stages, M={args.microbatches}.")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    hidden = [int(h) for h in args.hidden_sizes.split(",")]
+    rows, notes = compare(args.steps, args.trials, args.input_dim, hidden,
+                          args.global_batch_size, args.microbatches, args.schedules.split(","))
+    print(write(rows, notes, args.out_dir, "pipeline_overlap", title(args)))
+
+
+if __name__ == "__main__":
+    main()

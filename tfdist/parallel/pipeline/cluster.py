@@ -57,6 +57,10 @@ from tfdist.parallel.pipeline import PipelineParallelism
 log = logging.getLogger("tfdist")
 DRIVER_RANK = 0
 POLL_SECONDS = 0.5
+# Worker 0 has ended when its port stays shut this long: one failed check is not enough
+# (a connection can time out on a loaded machine while worker 0 is alive, and a serving
+# worker that left then would end a healthy job with exit 3).
+GONE_AFTER_SECONDS = 3.0
 
 
 def check_layout(num_stages: int, tf_config: cluster.TFConfig) -> None:
@@ -112,13 +116,24 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, confi
     held = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     try:
-        driver = tf_config.worker_addresses[DRIVER_RANK]
-        while rendezvous.unreachable([driver]) == []:
-            time.sleep(POLL_SECONDS)
+        wait_until_gone(tf_config.worker_addresses[DRIVER_RANK])
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.unlink(config_path(tf_config, tf_config.rank))
     return _status_left_for(marker, label)
+
+
+def wait_until_gone(address: str) -> None:
+    """Returns once nothing has answered at `address` for GONE_AFTER_SECONDS."""
+    shut_since = None
+    while True:
+        if rendezvous.unreachable([address]):
+            shut_since = shut_since or time.monotonic()
+            if time.monotonic() - shut_since >= GONE_AFTER_SECONDS:
+                return
+        else:
+            shut_since = None
+        time.sleep(POLL_SECONDS)
 
 
 def _status_left_for(marker: str, label: str) -> int:
@@ -196,12 +211,20 @@ def check_same_flags(tf_config: cluster.TFConfig, config) -> None:
 
 def tell_workers(tf_config: cluster.TFConfig, status) -> None:
     """Worker 0's last word to each serving worker: the status it ends with, written
-    on that worker's host by an op that runs in that worker's process."""
+    on that worker's host by an op that runs in that worker's process. Read back before
+    returning: remote eager ops may run asynchronously, and worker 0 exits right after
+    (without the read, a worker sometimes found no status and ended a finished job
+    with exit 3)."""
     for task in range(tf_config.num_workers):
         if task == DRIVER_RANK:
             continue
+        path = marker_path(tf_config, task)
         with tf.device(f"/job:worker/replica:0/task:{task}/device:CPU:0"):
-            tf.io.write_file(marker_path(tf_config, task), tf.constant(str(status)))
+            tf.io.write_file(path, tf.constant(str(status)))
+            written = tf.io.read_file(path).numpy().decode()
+        if written != str(status):
+            raise ClusterError(f"worker 0 could not leave its status for worker {task} in "
+                               f"{path} (read back {written!r}).")
 
 
 def peer_failure(error: Exception, tf_config: cluster.TFConfig) -> ClusterError:

@@ -34,6 +34,11 @@ Suites:
              --max_restarts=KILLS with --kills (default 10) seeded SIGKILLs of a random worker;
              final weights against the uninterrupted run, examples trained twice
              (counted), steps recomputed. --checkpoint_every defaults to 20 here.
+  pipeline_overlap  2 stage processes (M=8, every schedule) against 1 process, one
+             thread each, next to each schedule's formula.
+  torch_pipeline    tfdist's gpipe / 1f1b across 2 processes and DTensor megatron
+             tensor parallelism against torch.distributed pipelining and tensor
+             parallelism, 2 processes x 1 thread (torch optional).
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -51,7 +56,7 @@ from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak",
-          "chaos", "api_fit", "keras_distribution")
+          "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
@@ -186,6 +191,12 @@ def main(argv):
             rows = run_soak_suite()
         elif FLAGS.suite == "chaos":
             rows = run_chaos_suite()
+        elif FLAGS.suite in ("pipeline_overlap", "torch_pipeline"):
+            import importlib   # no TensorFlow here: the suites run training subprocesses
+            importlib.import_module(f"tfdist.benchmarks.{FLAGS.suite}").main(
+                [f"--steps={_given_or('steps', 30)}", f"--trials={_given_or('trials', 3)}",
+                 f"--out_dir={FLAGS.out_dir}"])
+            return
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

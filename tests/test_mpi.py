@@ -142,3 +142,16 @@ def test_doctor_reports_the_mpi_library_without_starting_mpi():
     assert "MPI library: Open MPI v5" in section and "mpirun (" in section, section
     assert "this process: not under an MPI launch" in section
     assert mpi.launcher_of(os.environ) is None   # nor is this test process
+
+
+def test_canary_mpi_init_is_reachable_through_mpi4pys_extension():
+    """tfdist initialises MPI with MPI_Init_thread looked up through mpi4py's extension
+    module (mpi.initialise_releasing_the_gil), because mpi4py's own initialisation holds
+    the GIL (no upstream issue found; mpi4py 4.1). If a new mpi4py stops linking its MPI
+    library that way, the fallback keeps working but holds the GIL again, and
+    test_mpi_errors.py's rank-stuck-before-MPI_Init test would hang to its timeout:
+    this fails first, by name."""
+    code = ("import ctypes, mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(bool(ctypes.CDLL(MPI.__file__).MPI_Init_thread), MPI.Is_initialized())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["True", "False"], result.stderr[-2000:]

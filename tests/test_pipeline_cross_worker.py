@@ -137,3 +137,26 @@ def test_stages_that_do_not_divide_the_workers_are_refused(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--pipeline_stages=4 does not divide the 2 workers of this cluster" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("make", ["open to others", "a symbolic link"])
+def test_a_private_dir_others_can_use_is_refused(make, tmp_path, monkeypatch):
+    """Worker 0 and the serving workers exchange files in TMPDIR/tfdist-UID: one that
+    another user could write to, or a link to elsewhere, is refused by name."""
+    import tempfile
+    from tfdist.errors import UsageError
+    from tfdist.parallel.pipeline import cluster as cross_worker
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = tmp_path / f"tfdist-{os.getuid()}"
+    if make == "open to others":
+        path.mkdir()
+        path.chmod(0o777)
+    else:
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match="must be a directory of uid"):
+        cross_worker.ensure_private_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "fresh"))
+    (tmp_path / "fresh").mkdir()
+    made = cross_worker.ensure_private_dir()   # a fresh one is made 0700
+    assert os.stat(made).st_mode & 0o777 == 0o700

@@ -29,7 +29,8 @@ replicas of its stage (the hybrid: split across nodes, replicate within).
 How the workers end: a serving worker polls worker 0's server port; when it
 closes, worker 0 has ended. Worker 0 first writes, through a TensorFlow op placed
 on each worker (so it runs in that worker's process), the exit status it ends
-with into a file in that worker's temp dir: 0 after a finished run, 4 after a
+with into a file in that worker's private dir (TMPDIR/tfdist-UID, 0700; the same
+user runs every worker, as for the ring's secret file): 0 after a finished run, 4 after a
 preemption checkpoint. A worker that finds no such file when worker 0's port
 closes knows worker 0 failed and exits 3. A serving worker holds SIGTERM until
 worker 0 has ended: worker 0's preemption checkpoint reads the variables it
@@ -43,6 +44,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import tempfile
 import time
 
@@ -73,10 +75,31 @@ def check_layout(num_stages: int, tf_config: cluster.TFConfig) -> None:
             f"that divides {workers}.")
 
 
+def private_dir() -> str:
+    """This user's directory for the files worker 0 and a serving worker exchange: in the
+    temp dir, but this uid's and 0700, so another local user can neither read the
+    configuration, fake a status nor plant a symbolic link where a worker writes."""
+    return os.path.join(tempfile.gettempdir(), f"tfdist-{os.getuid()}")
+
+
+def ensure_private_dir() -> str:
+    path = private_dir()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise UsageError(f"{path} must be a directory of uid {os.getuid()} that only it can "
+                         f"use (mode 0700), but it is uid {info.st_uid}, "
+                         f"{stat.filemode(info.st_mode)}: remove it, or set TMPDIR elsewhere.")
+    return path
+
+
 def marker_path(tf_config: cluster.TFConfig, task: int) -> str:
     """Where worker 0 writes the exit status of the job for worker `task` (on its host)."""
     job = hashlib.blake2b(",".join(tf_config.worker_addresses).encode(), digest_size=8).hexdigest()
-    return os.path.join(tempfile.gettempdir(), f"tfdist-pipeline-{job}-task{task}.status")
+    return os.path.join(private_dir(), f"pipeline-{job}-task{task}.status")
 
 
 def server_config(local_devices: int):
@@ -103,6 +126,7 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, confi
     """A serving worker: the TensorFlow server for the stages worker 0 places here, up
     until worker 0 ends; returns the exit status this process should end with."""
     label = f"worker {tf_config.rank} of {tf_config.num_workers}"
+    ensure_private_dir()
     marker = marker_path(tf_config, tf_config.rank)
     if os.path.exists(marker):
         os.unlink(marker)   # a previous job's

@@ -27,8 +27,8 @@ ranks and tfdist forms TF_CONFIG from the MPI world, so no TF_CONFIG is set (one
 the launcher's environment is dropped) and TFDIST_RANK is not either (each rank's
 MPI variables say it). The other variables above are set for every rank. mpirun
 runs with --bind-to none (as the launcher's own workers, unpinned), --oversubscribe
-when N exceeds this machine's CPUs, --allow-run-as-root as root, Open MPI's TCP
-transport shared memory only (`--mca btl self,sm`: this launcher starts workers
+when N exceeds this machine's CPUs, --allow-run-as-root as root, Open MPI's
+shared-memory transport only (`--mca btl self,sm`: this launcher starts workers
 on this host only, and no rank then listens on a socket), and
 --output tag, whose "[1,R]<stdout>: " prefix becomes "[worker R] ". --mpi_args
 adds mpirun options (e.g. "--mca btl tcp,self" for TCP only). --max_restarts
@@ -530,6 +530,7 @@ class Worker:
 
     def __init__(self, rank: int, command: List[str], env: Dict[str, str], mpirun: bool = False):
         self.rank = rank
+        self.mpirun = mpirun
         self.label = "mpirun" if mpirun else f"worker {rank}"   # for the launcher's messages
         self.exit_code: Optional[int] = None
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -567,7 +568,7 @@ class Worker:
         return self.exit_code
 
     def signal_group(self, signum: int) -> None:
-        if self.label == "mpirun":
+        if self.mpirun:
             self._signal_mpi_ranks(signum)
             return
         try:

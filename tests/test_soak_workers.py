@@ -31,7 +31,9 @@ elif role in ("launcher", "mpirun"):
         start("rank", **{variable: str(rank)})
 elif role == "rank":
     start("helper")
-    print(os.environ[variable], os.getpid(), flush=True)
+    # one write, so the two ranks' lines cannot interleave on the shared pipe even
+    # when PYTHONUNBUFFERED makes print() write each piece on its own (CI sets it)
+    os.write(1, f"{os.environ[variable]} {os.getpid()}\\n".encode())
 time.sleep(60)
 """
 

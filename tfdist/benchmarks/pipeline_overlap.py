@@ -19,6 +19,17 @@ T1/S times (1 + bubble), so its speedup over one process is:
 Rows: examples/s median over alternating trials, speedup against the 1-process
 run, the formula and the ratio of the two (1.0: the schedule's ideal reached).
 
+Every process is pinned to a core of its own (tfdist.benchmarks.pinned): the one-process
+contenders to the first core, worker R to the R-th. A stage process computes on one thread
+but needs a second inter-op thread to hand its tensors over while it computes
+(tfdist/parallel/pipeline/cluster.py raises TF_NUM_INTEROP_THREADS=1 to 2); pinned, that
+thread cannot turn into a second core of compute, so the comparison stays one core per process.
+
+Why the global batch is 2048 (micro-batches of 256): each micro-batch's weight gradients are
+added into the step's sums, which reads and writes every weight gradient M times: at a batch
+of 512 (micro-batches of 64) that memory traffic cost 15-20% of a stage's compute on this
+machine (2 stages in 1 process at 0.73x of 1 process), at 2048 about 10%.
+
 Why the default model is 2048-2048x4-10 and not 784-4096x4-10: tfdist balances
 stages by parameter count, and the best cut of 784-4096x4-10 puts 33.6M of its
 53.7M parameters on one stage (63%), which caps 2 stages at 1.60x before any
@@ -43,7 +54,8 @@ MICROBATCHES = 8
 VIRTUAL_STAGES = 2
 DEFAULT_INPUT = 2048
 DEFAULT_HIDDEN = (2048,) * 4
-GLOBAL_BATCH = 512
+GLOBAL_BATCH = 512          # torch_pipeline's (the comparison with PyTorch)
+OVERLAP_GLOBAL_BATCH = 2048  # this suite's: micro-batches of 256 (see the module docstring)
 BASELINE = "tfdist 1 process"
 SERIAL_PIPELINE = "tfdist gpipe, 2 stages in 1 process"
 
@@ -102,11 +114,13 @@ def run_rate(command: Sequence[str], results: str, timeout: float, attempts: int
 
 
 def tfdist_rate(workers: int, steps: int, flags: Sequence[str], launch_flags=(),
-                timeout: float = 1800) -> float:
-    """examples/s of `python -m experiments.train FLAGS`, in one process or `workers` launched."""
+                timeout: float = 1800, pin: bool = False) -> float:
+    """examples/s of `python -m experiments.train FLAGS`, in one process or `workers` launched;
+    pin: each process on a core of its own (tfdist.benchmarks.pinned)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "r.json")
-        train = [sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
+        pinned = [sys.executable, "-m", "tfdist.benchmarks.pinned"] if pin else []
+        train = [*pinned, sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
                  f"--results_json={results}", *flags]
         if workers > 1:
             train = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers),
@@ -141,11 +155,11 @@ def contenders(steps: int, input_dim: int, hidden: Sequence[int], batch: int,
     base = mlp_flags(input_dim, hidden, batch)
     listed = listed_schedules()
     runs = {BASELINE: (lambda: tfdist_rate(
-        1, steps, base + ["--strategy=default", "--simulate_devices=0"]), None, 1)}
+        1, steps, base + ["--strategy=default", "--simulate_devices=0"], pin=True), None, 1)}
     if in_process:
         runs[SERIAL_PIPELINE] = (lambda: tfdist_rate(
-            1, steps, base + pipeline_flags("gpipe", microbatches) + ["--simulate_devices=2"]),
-            None, 1)
+            1, steps, base + pipeline_flags("gpipe", microbatches) + ["--simulate_devices=2"],
+            pin=True), None, 1)
     for schedule in schedules:
         if schedule not in listed:
             notes.append(f"{schedule}: skipped, not in tfdist.config.PIPELINE_SCHEDULES "
@@ -154,7 +168,7 @@ def contenders(steps: int, input_dim: int, hidden: Sequence[int], batch: int,
         label = schedule + (f" V={VIRTUAL_STAGES}" if schedule == "interleaved_1f1b" else "")
         flags = base + pipeline_flags(schedule, microbatches)
         runs[f"tfdist {label}, 2 worker processes"] = (
-            lambda flags=flags: tfdist_rate(STAGES, steps, flags), schedule, STAGES)
+            lambda flags=flags: tfdist_rate(STAGES, steps, flags, pin=True), schedule, STAGES)
     return runs
 
 
@@ -183,7 +197,7 @@ def load_note(before, after) -> str:
 
 
 def compare(steps: int = 30, trials: int = 4, input_dim: int = DEFAULT_INPUT,
-            hidden: Sequence[int] = DEFAULT_HIDDEN, batch: int = GLOBAL_BATCH,
+            hidden: Sequence[int] = DEFAULT_HIDDEN, batch: int = OVERLAP_GLOBAL_BATCH,
             microbatches: int = MICROBATCHES,
             schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
             in_process: bool = True):
@@ -249,7 +263,7 @@ def parse_args(argv=None):
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--input_dim", type=int, default=DEFAULT_INPUT)
     parser.add_argument("--hidden_sizes", default=",".join(map(str, DEFAULT_HIDDEN)))
-    parser.add_argument("--global_batch_size", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--global_batch_size", type=int, default=OVERLAP_GLOBAL_BATCH)
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zero_bubble")
     parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
@@ -259,7 +273,9 @@ def parse_args(argv=None):
 def title(args) -> str:
     return (f"MLP {args.input_dim}-{args.hidden_sizes.replace(',', '-')}-10, global batch "
             f"{args.global_batch_size}, SGD, synthetic data, {args.steps} steps per trial (the "
-            f"first untimed), {args.trials} alternating trials, one thread per process; "
+            f"first untimed), {args.trials} alternating trials, every process on a core of its "
+            f"own (TF_NUM_INTRAOP_THREADS=1, TF_NUM_INTEROP_THREADS=1; a stage process raises "
+            f"its inter-op pool to 2 for its transfers); "
             f"pipelines: {STAGES} stages, M={args.microbatches}.")
 
 

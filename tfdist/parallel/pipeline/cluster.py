@@ -102,13 +102,55 @@ def marker_path(tf_config: cluster.TFConfig, task: int) -> str:
     return os.path.join(private_dir(), f"pipeline-{job}-task{task}.status")
 
 
+# TensorFlow runs a stage's kernels and answers its peers' requests for the tensors it sent
+# on the same inter-op pool, and a busy pool thread runs the work it queued itself first. With
+# one inter-op thread a stage therefore hands its activations over only once it has nothing
+# left to compute, and the stages take turns instead of overlapping: measured with
+# TF_NUM_INTEROP_THREADS=1, 2 stage processes trained at 0.98x the speed of both stages in one
+# process, each process busy while the other idled. With 2 they overlap (README, "Pipeline
+# overlap"). Intra-op threads, which size each kernel's parallelism, stay as configured.
+MIN_INTEROP_THREADS = 2
+
+
+def inter_op_threads() -> int:
+    """The inter-op pool size this process was configured with; 0 is TensorFlow's default
+    (one per core). TF_NUM_INTEROP_THREADS applies when tf.config.threading says 0."""
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    return configured or int(os.environ.get("TF_NUM_INTEROP_THREADS", "0") or 0)
+
+
+def stage_inter_op_threads(configured: int) -> int:
+    """At least MIN_INTEROP_THREADS; 0 (TensorFlow's default, one per core) stays 0."""
+    return configured if configured <= 0 else max(configured, MIN_INTEROP_THREADS)
+
+
+def ensure_transfer_thread(label: str) -> None:
+    """Raises a one-thread inter-op pool to MIN_INTEROP_THREADS, before TensorFlow starts.
+    Worker 0's setting is also what the serving workers' stages run with: TensorFlow sizes
+    the pool of a remote worker's eager context from the client's configuration."""
+    configured = inter_op_threads()
+    wanted = stage_inter_op_threads(configured)
+    if wanted == configured:
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(wanted)
+    except RuntimeError:   # TensorFlow already started in this process (a later run)
+        return
+    log.warning("pipeline: %s: %d inter-op thread(s) raised to %d: a stage process needs one "
+                "to hand its tensors to the other stages while it computes, or the stages "
+                "cannot overlap (TF_NUM_INTRAOP_THREADS is unchanged)", label, configured,
+                wanted)
+
+
 def server_config(local_devices: int):
     """A standalone server makes its devices and thread pools from its ConfigProto, not
     from the process's logical-device configuration or TF_NUM_*_THREADS, which only the
-    eager context reads: so they are given here, as the process was configured."""
+    eager context reads: so they are given here, as the process was configured (the
+    inter-op pool at least MIN_INTEROP_THREADS, for the transfers it serves)."""
     config = tf.compat.v1.ConfigProto(device_count={"CPU": local_devices})
     config.intra_op_parallelism_threads = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0"))
-    config.inter_op_parallelism_threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    config.inter_op_parallelism_threads = stage_inter_op_threads(
+        int(os.environ.get("TF_NUM_INTEROP_THREADS", "0") or 0))
     return config
 
 
@@ -324,6 +366,7 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
     nothing else to run: worker 0 alone runs the user's program, single-client)."""
     check_layout(config.pipeline_stages, tf_config)
     simulate = 0 if config.simulate_devices == devices_lib.AUTO else config.simulate_devices
+    ensure_transfer_thread(f"worker {tf_config.rank} of {tf_config.num_workers}")
     local = devices_lib.configure(simulate, config.num_gpus)   # before this task's server
     require(all("gpu" not in d.lower() for d in local),
             "--strategy=pipeline across workers places stages on CPU devices only in this "

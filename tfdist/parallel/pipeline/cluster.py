@@ -102,13 +102,13 @@ def marker_path(tf_config: cluster.TFConfig, task: int) -> str:
     return os.path.join(private_dir(), f"pipeline-{job}-task{task}.status")
 
 
-# TensorFlow runs a stage's kernels and answers its peers' requests for the tensors it sent
-# on the same inter-op pool, and a busy pool thread runs the work it queued itself first. With
-# one inter-op thread a stage therefore hands its activations over only once it has nothing
-# left to compute, and the stages take turns instead of overlapping: measured with
-# TF_NUM_INTEROP_THREADS=1, 2 stage processes trained at 0.98x the speed of both stages in one
-# process, each process busy while the other idled. With 2 they overlap (README, "Pipeline
-# overlap"). Intra-op threads, which size each kernel's parallelism, stay as configured.
+# With one inter-op thread the stages take turns instead of overlapping. Measured with
+# TF_NUM_INTEROP_THREADS=1: 2 stage processes trained at 0.98x the speed of both stages in one
+# process, each busy while the other idled. A 2-thread pool in worker 0's client configuration
+# (which TensorFlow also gives the serving workers' eager contexts) makes them overlap. Neither
+# the servers' own pool nor a larger process-wide compute pool did. Our reading: the pool
+# that runs a stage's kernels also hands its sent tensors over, and a busy thread runs the work
+# it queued itself first. README, "Pipeline overlap". Intra-op threads stay as configured.
 MIN_INTEROP_THREADS = 2
 
 
@@ -134,7 +134,10 @@ def ensure_transfer_thread(label: str) -> None:
         return
     try:
         tf.config.threading.set_inter_op_parallelism_threads(wanted)
-    except RuntimeError:   # TensorFlow already started in this process (a later run)
+    except RuntimeError:   # TensorFlow already started in this process: too late to change
+        log.warning("pipeline: %s: TensorFlow started before the pipeline with %d inter-op "
+                    "thread(s), so its stages may take turns instead of overlapping; set "
+                    "TF_NUM_INTEROP_THREADS=%d", label, configured, wanted)
         return
     log.warning("pipeline: %s: %d inter-op thread(s) raised to %d: a stage process needs one "
                 "to hand its tensors to the other stages while it computes, or the stages "

@@ -24,6 +24,8 @@ def from_json_overrides(overrides: dict) -> dict:
     DataConfig fields (the multi-worker tests send configs to their workers so)."""
     overrides = dict(overrides)
     model = overrides.pop("model")
+    if isinstance(model, dict):   # JSON has lists where ModelConfig has tuples
+        model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}
     overrides["model"] = (ModelConfig(**model) if isinstance(model, dict)
                           else ModelConfig(name=model, filters=(8, 16)))
     if "data" in overrides:

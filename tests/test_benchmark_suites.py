@@ -28,6 +28,16 @@ CHAOS_COLUMNS = ["collective", "steps", "checkpoint_every", "seed", "kills_reque
                  "examples_checked", "examples_trained_twice", "examples_missed", "pass"]
 
 
+def test_the_soak_suite_also_soaks_the_pipeline_across_workers():
+    assert soak.parse_collectives("tcp,pipeline") == ("tcp", "pipeline")
+    assert soak.job_flags("pipeline") == ["--strategy=pipeline", "--pipeline_stages=2",
+                                          "--microbatches=4"]
+    assert soak.job_flags("shm") == ["--collective=shm"]
+    command = soak.launch_command(soak.job_flags("pipeline"))
+    # later flags override earlier ones: the pipeline's strategy comes after TRAIN_FLAGS'
+    assert command.index("--strategy=pipeline") > command.index("--strategy=multi_worker_mirrored")
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: soak.parse_collectives("auto,bogus"),
      "Unknown collective 'bogus' in --collectives='auto,bogus'. Valid choices: auto, ring"),

@@ -6,7 +6,9 @@
 For each collective choice, one `tfdist launch --workers 2 -- python -m
 experiments.train --strategy=multi_worker_mirrored --model=mlp --dataset=synthetic
 --collective=C --model_dir=... --checkpoint_every=...` job, as a long real job runs
-(for mpi, `tfdist launch --mpi`: Open MPI's mpirun starts the ranks). Each worker
+(for mpi, `tfdist launch --mpi`: Open MPI's mpirun starts the ranks). The choice
+"pipeline" runs `--strategy=pipeline --pipeline_stages=2 --microbatches=4` instead: a
+stage in each worker process. Each worker
 process (found among the launcher's descendants by its rank variable: TFDIST_RANK
 for the launcher's own children, OMPI_COMM_WORLD_RANK for mpirun's) is sampled
 from outside through /proc/PID: threads ("Threads" in status), resident memory
@@ -56,15 +58,28 @@ RANK_VARIABLES = (b"TFDIST_RANK", b"OMPI_COMM_WORLD_RANK")
 
 # --------------------------------------------------------------------------- settings
 
+# Besides the collectives: "pipeline", 2 stages in the 2 worker processes (worker 0 drives,
+# worker 1 serves its stage; tfdist/parallel/pipeline/cluster.py), whose boundary tensors
+# cross TensorFlow's runtime every micro-batch. Later flags override TRAIN_FLAGS' strategy.
+PIPELINE_JOB = "pipeline"
+PIPELINE_FLAGS = ("--strategy=pipeline", "--pipeline_stages=2", "--microbatches=4")
+JOBS = tuple(COLLECTIVES) + (PIPELINE_JOB,)
+
+
 def parse_collectives(text: str) -> Tuple[str, ...]:
     """"auto,tcp" -> ("auto", "tcp"); an unknown name is a UsageError naming the valid ones."""
     names = tuple(name.strip() for name in str(text).split(",") if name.strip())
-    require(names, f"--collectives names none, got {text!r}. Valid choices: {', '.join(COLLECTIVES)}.")
+    require(names, f"--collectives names none, got {text!r}. Valid choices: {', '.join(JOBS)}.")
     for name in names:
-        require(name in COLLECTIVES,
+        require(name in JOBS,
                 f"Unknown collective {name!r} in --collectives={text!r}. "
-                f"Valid choices: {', '.join(COLLECTIVES)}.")
+                f"Valid choices: {', '.join(JOBS)}.")
     return names
+
+
+def job_flags(job: str) -> List[str]:
+    """The training flags that make a soak job of `job` (a collective, or the pipeline)."""
+    return list(PIPELINE_FLAGS) if job == PIPELINE_JOB else [f"--collective={job}"]
 
 
 def check_job_settings(steps: int, checkpoint_every: int, timeout: float) -> None:
@@ -260,7 +275,7 @@ def soak_once(collective: str, steps: int, checkpoint_every: int, timeout: float
               work_dir: str) -> RunOutcome:
     run_dir = os.path.join(work_dir, collective)
     os.makedirs(run_dir)
-    command = launch_command([f"--collective={collective}", f"--train_steps={steps}",
+    command = launch_command([*job_flags(collective), f"--train_steps={steps}",
                               f"--model_dir={run_dir}/model", f"--checkpoint_every={checkpoint_every}",
                               f"--log_every={LOG_EVERY}"], mpi=collective == "mpi")
     launcher = start_launcher(command, os.path.join(run_dir, "launch.log"))

@@ -102,3 +102,13 @@ def test_tf_still_takes_aligned_numpy_function_outputs_without_a_copy_or_a_write
     assert adopted.numpy()[0] == 7.0
 
 
+
+
+def test_checkpoint_saver_retraces_for_several_tasks():
+    """tfdist.parallel.pipeline.checkpoint.HostCopy: a save of variables in several tasks traces a
+    new tf.function each time, and traced graphs are never freed (tensorflow#124972). When the
+    saver stops retracing, the pipeline across workers could save its stages directly."""
+    from tensorflow.python.checkpoint import functional_saver
+    source = inspect.getsource(functional_saver.MultiDeviceSaver.save)
+    assert "self._num_unique_tasks > 1" in source
+    assert "def tf_function_save()" in source

@@ -88,6 +88,9 @@ class Parallelism(abc.ABC):
     # data-parallel workers): metric states are then summed over the workers.
     workers_hold_own_outputs = False
 
+    def saving(self) -> None:
+        """Called before each checkpoint save of checkpoint_objects()."""
+
     def restored(self) -> None:
         """Called after a checkpoint was read into checkpoint_objects(): a mode that saves
         one copy of what several hold (the pipeline's replicas) hands it on here."""

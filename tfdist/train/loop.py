@@ -229,11 +229,15 @@ class TrainingLoop:
         if checkpointer is None:
             return
         if self._due(step, total_steps):
-            checkpointer.save(step)
+            self._save(checkpointer, step)
         if self.parallel.any_process(watcher.requested):
             if not self._due(step, total_steps):
-                checkpointer.save(step)
+                self._save(checkpointer, step)
             raise Preempted(step, self.config.model_dir)
+
+    def _save(self, checkpointer, step: int) -> None:
+        self.parallel.saving()
+        checkpointer.save(step)
 
     def _eval_and_log(self, step: int, data: EvalData, progress: Progress) -> dict:
         # Evaluation shares the metric objects: the epoch's training state comes back.

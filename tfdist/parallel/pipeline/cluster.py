@@ -322,6 +322,20 @@ class CrossWorkerPipeline(PipelineParallelism):
     def guard(self, what: str):
         return self.watchdog.guard(what)
 
+    def checkpoint_objects(self, model, optimizer):
+        """Copies on worker 0's host of what the pipeline saves (checkpoint.HostCopy says why)."""
+        from tfdist.parallel.pipeline import checkpoint as pipeline_checkpoint
+        host = f"/job:worker/replica:0/task:{self.tf_config.task_index}/device:CPU:0"
+        self._host_copy = pipeline_checkpoint.HostCopy(self.replicas, host)
+        return self._host_copy.objects()
+
+    def saving(self) -> None:
+        self._host_copy.take()
+
+    def restored(self) -> None:
+        self._host_copy.give()
+        super().restored()
+
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
                         on_outputs=None):
         return self._guarded(super().make_train_step(

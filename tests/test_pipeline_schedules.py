@@ -323,10 +323,11 @@ def test_add_control_input_canary():
 
 # --------------------------------------------------------------------------- equivalence
 
-# In one process, a cover of the issue's matrix (the transformer with 4 devices costs 20-35 s a
-# config here); stages in worker processes run the whole product (test_pipeline_cross_worker.py).
+# In one process, the mlp (the transformer costs 15-35 s a config here): the schedules' code
+# is the same across workers, where test_pipeline_cross_worker.py runs the transformer under
+# every schedule (and tests/pipeline_full_product.py the issue's whole matrix).
 @pytest.mark.parametrize("model,optimizer,devices,stages,microbatches", [
-    ("mlp", "sgd", 2, 2, 4), ("mlp", "adam", 4, 4, 8), ("transformer", "adam", 2, 2, 8),
+    ("mlp", "sgd", 2, 2, 4), ("mlp", "adam", 4, 4, 8),
     ("mlp", "adam", 4, 2, 4)])   # 2 stages x 2 replicas
 def test_interleaved_1f1b_matches_default(model, optimizer, devices, stages, microbatches):
     assert_trains_like_default(model, optimizer, devices, stages, microbatches,
@@ -334,7 +335,7 @@ def test_interleaved_1f1b_matches_default(model, optimizer, devices, stages, mic
 
 
 @pytest.mark.parametrize("model,optimizer,devices,stages,microbatches", [
-    ("mlp", "sgd", 2, 2, 1), ("mlp", "adam", 4, 4, 8), ("transformer", "sgd", 2, 2, 4),
+    ("mlp", "sgd", 2, 2, 1), ("mlp", "adam", 4, 4, 8),
     ("mlp", "sgd", 4, 2, 8)])    # 2 stages x 2 replicas
 def test_zero_bubble_matches_default(model, optimizer, devices, stages, microbatches):
     assert_trains_like_default(model, optimizer, devices, stages, microbatches,

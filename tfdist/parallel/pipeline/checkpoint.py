@@ -65,8 +65,9 @@ class HostCopy:
     Why copies: TensorFlow's checkpoint saver traces a new function for every save of
     variables that live in more than one task (tensorflow/python/checkpoint/
     functional_saver.py, MultiDeviceSaver.save: "this will cause a function re-trace on each
-    save"), traced graphs are never freed (tensorflow#124972), and that grew both processes' memory by about 0.1 MB a save (800 saves of 2 remote
-    variables: 711 -> 812 MB and 709 -> 828 MB; reading the same variables 800 times: flat).
+    save"), traced graphs are never freed (tensorflow#124972), and that grew both processes'
+    memory by about 0.1 MB a save (800 saves of 2 remote variables: 711 -> 812 MB and
+    709 -> 828 MB; reading the same variables 800 times: flat).
     Saved from worker 0 alone, the saver runs eagerly and nothing accumulates. The cost: a copy
     of replica 0's model and optimizer state in worker 0's memory, refreshed before each save
     (canary: tests/test_upstream_canaries.py::test_checkpoint_saver_retraces_for_several_tasks)."""

@@ -84,3 +84,9 @@ def test_torch_pipeline_tiny(tmp_path):
     assert (tmp_path / "torch_pipeline.md").exists()
     if not HAVE_TORCH:
         pytest.skip("torch not installed: pip install torch (PyTorch rows not checked)")
+
+
+def test_pinned_processes_take_the_cores_by_rank():
+    from tfdist.benchmarks import pinned
+    assert [pinned.core_for(rank, {0, 1}) for rank in range(4)] == [0, 1, 0, 1]
+    assert pinned.core_for(1, {6, 4}) == 6   # the cores this process may use, in order

@@ -19,14 +19,16 @@ from tfdist.testing import equivalence
 
 CASES = ("softmax_weighted:adamw_cosine", "subclassed:sgd_nesterov", "softmax_weighted:rmsprop",
          "dict_regression:sgd_nesterov")  # the last one also runs the file-writing callbacks
+# A pipeline cuts a functional model (a subclassed one is refused, tests/test_pipeline.py).
+PIPELINE_CASES = ("softmax_weighted:adamw_cosine", "dict_regression:sgd_nesterov")
 
 
-def launch(collective, out_dir):
+def launch(collective, out_dir, cases=CASES):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     mpi = ["--mpi"] if collective == "mpi" else []
     return subprocess.run(
         [sys.executable, "-m", "tfdist.launch", *mpi, "--workers", "2", "--", sys.executable,
-         "tests/workers/keras_api_cases.py", collective, ",".join(CASES), str(out_dir)],
+         "tests/workers/keras_api_cases.py", collective, ",".join(cases), str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -34,7 +36,7 @@ def one_device(case, files_dir):
     name, optimizer = case.split(":")
     build, x, y, fit_kwargs = user_models.case(name, optimizer)
     callbacks = []
-    if case == CASES[-1]:
+    if case in (CASES[-1], PIPELINE_CASES[-1]):   # the worker's last case runs the file callbacks
         fit_kwargs["epochs"] = user_models.CALLBACK_EPOCHS
         callbacks = user_models.file_callbacks(str(files_dir))
     fit_kwargs["callbacks"] = callbacks
@@ -85,3 +87,19 @@ def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
         np.testing.assert_allclose(loaded.predict({k: v[:16] for k, v in x.items()}, verbose=0),
                                    np.load(tmp_path / f"predictions.rank{rank}.npy"),
                                    rtol=1e-6, atol=1e-7)
+
+
+def test_users_models_train_as_a_pipeline_across_two_workers_like_one_device(tmp_path):
+    """tfdist.Strategy("pipeline") under `tfdist launch --workers 2`: a stage in each worker.
+    Worker 1 serves its stage, and it must end with exit 0 after the user's close() (it used
+    to end with 3: no run had told it the job finished). Worker 0's trained model, its
+    stages read back from the worker that holds each, equals one device's."""
+    result = launch("pipeline", tmp_path, PIPELINE_CASES)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "worker 0 ended with status 0" in result.stderr, result.stderr[-3000:]
+    for case in PIPELINE_CASES:
+        reference = one_device(case, tmp_path / "one_device_files")
+        record, run = worker_run(tmp_path, case, 0, reference.paths)
+        report = equivalence.compare_runs(reference, run)
+        assert report.equivalent, f"{case} as a pipeline across 2 workers: {report}"
+    assert (tmp_path / "files" / "final.keras").exists()

@@ -25,6 +25,7 @@ the same loop (tfdist.train.runner builds a registry model, compiles it and
 trains it here).
 """
 
+import contextlib
 import dataclasses
 import logging
 from typing import Optional
@@ -57,6 +58,7 @@ class Strategy:
         self.parallel = parallel_lib.build_parallelism(self.config)
         self._adopted = {}   # id(user model) -> (model the steps train, its optimizer)
         self._predict_steps = {}
+        self._failed = False   # a fit or evaluate raised (a preemption too): close() says so
 
     @classmethod
     def from_config(cls, config: cfg.RunConfig) -> "Strategy":
@@ -109,7 +111,7 @@ class Strategy:
             validation=validation, validation_freq=validation_freq,
             callbacks=tuple(_redirect_files(callbacks or [], self.parallel)),
             verbose=_verbosity(verbose))
-        with self.parallel.translate_failures():
+        with self._calling():
             result = loop.run(plan)
         self.last_result = result
         return result.history
@@ -121,7 +123,7 @@ class Strategy:
         data = _Data.of(x, y, sample_weight, batch_size, False, "evaluation data")
         config = self._config_for(data.global_batch_size, False)
         loop = self._loop(model, config, data.sample_batch(config))
-        with self.parallel.translate_failures():
+        with self._calling():
             logs = loop.evaluate(data.eval_data(config))
         if return_dict:
             return logs
@@ -158,7 +160,25 @@ class Strategy:
         return self.parallel.replica_models(trained)
 
     def close(self) -> None:
-        self.parallel.close()
+        """Ends the mode. After calls that all succeeded, the processes that leave together
+        are told so first (parallel.finish: the pipeline's serving workers then exit 0, not
+        3 as after a failure); then its resources go."""
+        try:
+            if not self._failed:
+                with self.parallel.translate_failures():
+                    self.parallel.finish()
+        finally:
+            self.parallel.close()
+
+    @contextlib.contextmanager
+    def _calling(self):
+        """A fit or evaluate: the mode's failures as clear errors, and remembered for close()."""
+        try:
+            with self.parallel.translate_failures():
+                yield
+        except BaseException:
+            self._failed = True
+            raise
 
     # ------------------------------------------------------------------ internals
     def _config_for(self, global_batch_size: int, shuffle: bool):

@@ -3,6 +3,9 @@ public API, under multi_worker_mirrored, one launch for several cases.
 
     python tests/workers/keras_api_cases.py COLLECTIVE CASES OUT_DIR
 
+COLLECTIVE "pipeline" trains --strategy=pipeline instead, a stage in each of 2 workers
+(only worker 0 returns from tfdist.Strategy and writes files).
+
 CASES is "name:optimizer,..." (see user_models.CASES). For each case every worker
 writes OUT_DIR/CASE.rankR.json (per-step losses, the logs its callbacks saw, the
 epoch EarlyStopping stopped at) and OUT_DIR/CASE.rankR.npz (its final weights).
@@ -29,8 +32,12 @@ def main(collective: str, cases: str, out_dir: str) -> None:
     import keras
     import tfdist
     rank = os.environ.get("TFDIST_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))   # tfdist launch, or mpirun
-    strategy = tfdist.Strategy("multi_worker_mirrored", collective=collective, seed=0,
-                               simulate_devices=0)
+    if collective == "pipeline":   # a stage per worker; worker 1 serves its stage, never returns
+        strategy = tfdist.Strategy("pipeline", pipeline_stages=2, microbatches=2, seed=0,
+                                   simulate_devices=0)
+    else:
+        strategy = tfdist.Strategy("multi_worker_mirrored", collective=collective, seed=0,
+                                   simulate_devices=0)
     names = cases.split(",")
     for index, case in enumerate(names):
         name, optimizer = case.split(":")

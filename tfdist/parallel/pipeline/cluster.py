@@ -152,8 +152,7 @@ def server_config(local_devices: int):
     inter-op pool at least MIN_INTEROP_THREADS, for the transfers it serves)."""
     config = tf.compat.v1.ConfigProto(device_count={"CPU": local_devices})
     config.intra_op_parallelism_threads = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0"))
-    config.inter_op_parallelism_threads = stage_inter_op_threads(
-        int(os.environ.get("TF_NUM_INTEROP_THREADS", "0") or 0))
+    config.inter_op_parallelism_threads = stage_inter_op_threads(inter_op_threads())
     return config
 
 

@@ -38,6 +38,13 @@ time.sleep(60)
 """
 
 
+def helpers_of(ranks):
+    """rank -> the rank variable seen in each child of that rank's process."""
+    children = soak.children_of()
+    return {rank: [soak.rank_of(child) for child in children.get(pid, [])]
+            for rank, pid in ranks.items()}
+
+
 @pytest.mark.parametrize("variable,shape", [("TFDIST_RANK", "direct"),
                                             ("OMPI_COMM_WORLD_RANK", "mpirun")])
 def test_worker_pids_finds_ranks_among_the_launchers_descendants(variable, shape, tmp_path):
@@ -54,9 +61,14 @@ def test_worker_pids_finds_ranks_among_the_launchers_descendants(variable, shape
             time.sleep(0.05)
             found = soak.worker_pids(launcher.pid)
         assert found == printed and sorted(found) == [0, 1], (found, printed)
-        children = soak.children_of()   # each rank's helper carries its variable too
-        helpers = {rank: [soak.rank_of(child) for child in children.get(pid, [])]
-                   for rank, pid in printed.items()}
+        # Each rank's helper carries its variable too. Polled like the ranks: Popen
+        # returns once exec has closed the error pipe, which the kernel does before it
+        # lays out the new program's environment, so for a moment /proc/PID/environ of
+        # a just-started helper is empty (seen in CI: {0: [None], 1: [1]}).
+        helpers = helpers_of(printed)
+        while helpers != {0: [0], 1: [1]} and time.monotonic() < deadline:
+            time.sleep(0.05)
+            helpers = helpers_of(printed)
         assert helpers == {0: [0], 1: [1]}, helpers
     finally:
         os.killpg(launcher.pid, 9)

@@ -16,14 +16,25 @@ meant, so this plugin, installed by tests/conftest.py in every pytest process:
 - at the end of the session fails it (exit 1), naming node id and reason, if a
   test skipped here "because it runs elsewhere" did not pass there, or if any
   other skip's reason is not in ALLOWED_SKIPS.
+
+A declared Process (install's list) starts as soon as the main process has
+collected, at nice 10, and its runner test waits for it. Most of the main suite
+keeps one of this machine's two cores busy (a test's single training process,
+or `import tensorflow` in a launch), so the DTensor process runs in the other
+core's idle time instead of after everything else (it took 7 of the suite's 42
+minutes in CI); niced, it yields the core to timing-sensitive tests (collective
+timeouts, watchdogs) whenever they want it.
 """
 
 import dataclasses
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import pytest
@@ -60,7 +71,19 @@ class _State:
     passed_in: Dict[str, Set[str]] = dataclasses.field(default_factory=dict)
     skips: Dict[str, str] = dataclasses.field(default_factory=dict)      # node id -> reason
     problems: List[str] = dataclasses.field(default_factory=list)
+    started: Dict[str, "_Started"] = dataclasses.field(default_factory=dict)  # env var ->
 
+
+@dataclasses.dataclass
+class _Started:
+    """A process of its own started early, before its runner test asked for it."""
+    popen: subprocess.Popen
+    requested: List[str]
+    directory: str                    # its output and passed-ids files; removed when read
+    started_at: float
+
+
+NICE = ["nice", "-n", "10"] if shutil.which("nice") else []
 
 _state: Optional[_State] = None  # one per pytest process, like the plugin itself
 
@@ -127,6 +150,57 @@ def pytest_collection_modifyitems(session, config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = keep
+    if _state.here is None:
+        _start_early(config, {item.nodeid.split("::")[0] for item in items})
+
+
+def _start_early(config, selected_files: Set[str]) -> None:
+    """Starts, niced, every declared process whose runner test this session runs and
+    which has tests to run (the runner asks for them later: run_own_process)."""
+    for process in _state.processes:
+        requested = sorted(n for n, var in _state.elsewhere.items() if var == process.env_var)
+        if process.runner not in selected_files or not requested:
+            continue
+        directory = tempfile.mkdtemp(prefix="tfdist-own-process-")
+        env = dict(os.environ, **{process.env_var: "1",
+                                  PASSED_IDS_FILE: os.path.join(directory, "passed")})
+        with open(os.path.join(directory, "stdout"), "w") as out, \
+                open(os.path.join(directory, "stderr"), "w") as err:
+            # nice(1), not a preexec_fn: this process already runs TensorFlow's threads
+            popen = subprocess.Popen(
+                [*NICE, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 *requested],
+                cwd=config.rootpath, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        _state.started[process.env_var] = _Started(popen, requested, directory, time.monotonic())
+
+
+def _finish_started(started: "_Started", env_var: str, timeout: float):
+    """Waits for an early-started process (its timeout counted from its start) and returns
+    (result, requested, passed) as run_own_process does."""
+    try:
+        started.popen.wait(timeout=max(1.0, timeout - (time.monotonic() - started.started_at)))
+    except subprocess.TimeoutExpired:
+        started.popen.kill()
+        started.popen.wait()
+        raise
+    finally:
+        read = lambda name: pathlib.Path(started.directory, name).read_text() \
+            if os.path.exists(os.path.join(started.directory, name)) else ""
+        stdout, stderr, passed = read("stdout"), read("stderr"), set(read("passed").splitlines())
+        shutil.rmtree(started.directory, ignore_errors=True)
+        _state.passed_in.setdefault(env_var, set()).update(passed)
+    result = subprocess.CompletedProcess(started.popen.args, started.popen.returncode,
+                                         stdout, stderr)
+    return result, started.requested, passed
+
+
+def pytest_unconfigure(config):
+    """A session that ends early (a failure with -x, ^C) leaves no niced pytest behind."""
+    for started in _state.started.values() if _state else ():
+        if started.popen.poll() is None:
+            started.popen.kill()
+            started.popen.wait()
+        shutil.rmtree(started.directory, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report):
@@ -151,7 +225,10 @@ def run_own_process(config, env_var: str, tmp_path, fallback_args: Sequence[str]
                     timeout: float):
     """Runs, in a fresh `pytest` with env_var=1, the tests this session skipped for it
     (or, if it skipped none, `fallback_args`); returns (result, requested ids, passed ids).
-    The passed ids are recorded for the end-of-session check."""
+    The passed ids are recorded for the end-of-session check. A process started early
+    (_start_early) is waited for instead of started again."""
+    if env_var in _state.started:
+        return _finish_started(_state.started.pop(env_var), env_var, timeout)
     requested = sorted(n for n, var in _state.elsewhere.items() if var == env_var)
     passed_file = pathlib.Path(tmp_path) / f"{env_var}.passed"
     env = dict(os.environ, **{env_var: "1", PASSED_IDS_FILE: str(passed_file)})

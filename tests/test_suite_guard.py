@@ -99,3 +99,27 @@ def test_the_other_process_runs_only_its_own_tests(tmp_path):
                        {PROCESS: "1"})
     assert result.returncode == 0, result.stdout
     assert "2 passed, 1 deselected" in result.stdout, result.stdout
+
+
+def test_the_other_process_starts_when_collection_ends_not_when_its_runner_runs(tmp_path):
+    """test_a_first.py runs before the runner and waits for a file that the other
+    process's test writes: it appears only if that process was started early, beside
+    the main process (and it must leave nothing running behind when the session ends)."""
+    marker = tmp_path / "elsewhere_ran"
+    files = {
+        "test_a_first.py": f"""
+            import os, time
+            def test_waits_for_the_other_process():
+                deadline = time.monotonic() + 60
+                while not os.path.exists({str(marker)!r}) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert os.path.exists({str(marker)!r}), "the other process did not start early"
+            """,
+        "test_elsewhere.py": f"""
+            def test_one():
+                open({str(marker)!r}, "w").close()
+            """,
+        "test_runner.py": RUNNER}
+    result = run_suite(tmp_path, files)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed, 1 skipped" in result.stdout, result.stdout

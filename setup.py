@@ -21,6 +21,10 @@ setup(
         "absl-py>=2.1,<3",
         "scikit-learn>=1.9,<2",   # the offline `digits` data ships inside it
         "numpy>=2,<3",
+        # ml_dtypes 0.7.0 costs every process 1.3 s more CPU to import than 0.6.0 (0.4 s),
+        # in numpy's PyUFunc_AddLoop, and TensorFlow imports it: 1.6 s of the 10-12 s an
+        # `import tensorflow` takes here, paid by each of the suite's hundreds of processes
+        "ml_dtypes>=0.5.1,<0.7",
         "tensorboard>=2.21,<2.22",  # tf.summary needs it; TF 2.21 no longer pulls it in
         "matplotlib>=3.9,<4",     # benchmark plots
         "importlib_resources",    # tfds 4.9.10 imports it without declaring it (tensorflow/datasets#11212)

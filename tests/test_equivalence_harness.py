@@ -69,3 +69,20 @@ def test_results_json_carries_weights_only_when_given(tmp_path):
         equivalence.weight_mismatches(Record("a", [1.0], W), losses_only)
     with pytest.raises(ValueError, match="has no weights"):
         equivalence.assert_equivalent(Record("a", [1.0], W), losses_only)
+
+
+def test_comparisons_report_their_largest_errors_when_asked(tmp_path, monkeypatch):
+    report = tmp_path / "errors.jsonl"
+    monkeypatch.setenv(equivalence.REPORT_FILE, str(report))
+    reference = Record("one device", [1.0, 2.0], W)
+    candidate = Record("mode", [1.0, 2.002], [W[0] * 1.01, W[1]])
+    equivalence.loss_mismatches(reference, candidate)
+    equivalence.weight_mismatches(reference, candidate)
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert lines[0] == dict(candidate="mode", reference="one device", steps=2,
+                            max_loss_error=pytest.approx(1e-3))
+    assert lines[1] == dict(candidate="mode", reference="one device", weights=2,
+                            max_weight_error=pytest.approx(1e-2, rel=1e-5))
+    monkeypatch.delenv(equivalence.REPORT_FILE)
+    equivalence.loss_mismatches(reference, candidate)   # unset: nothing written
+    assert len(report.read_text().splitlines()) == 2

@@ -18,12 +18,12 @@ meant, so this plugin, installed by tests/conftest.py in every pytest process:
   other skip's reason is not in ALLOWED_SKIPS.
 
 A declared Process (install's list) starts as soon as the main process has
-collected, at nice 10, and its runner test waits for it. Most of the main suite
-keeps one of this machine's two cores busy (a test's single training process,
-or `import tensorflow` in a launch), so the DTensor process runs in the other
-core's idle time instead of after everything else (it took 7 of the suite's 42
-minutes in CI); niced, it yields the core to timing-sensitive tests (collective
-timeouts, watchdogs) whenever they want it.
+collected, at its `nice` level, and its runner test waits for it. Most of the
+main suite keeps one of this machine's two cores busy (a test's single training
+process, or `import tensorflow` in a launch), so such a process runs in the
+other core's idle time instead of after everything else (the DTensor process
+alone took 7 of the suite's 42 minutes in CI); niced, it yields the core to the
+main process's timing-sensitive tests (collective timeouts, watchdogs).
 """
 
 import dataclasses
@@ -61,6 +61,8 @@ class Process:
     runner: str                       # the main-process test that starts it
     files: Tuple[str, ...] = ()       # every test in these files (rootdir-relative) runs there
     marker: Optional[str] = None      # ... and every test with this marker
+    nice: int = 10                    # started early at this niceness (see the docstring)
+    main_without_runner: bool = False  # its tests may run in the main process instead
 
 
 @dataclasses.dataclass
@@ -83,8 +85,6 @@ class _Started:
     started_at: float
 
 
-NICE = ["nice", "-n", "10"] if shutil.which("nice") else []
-
 _state: Optional[_State] = None  # one per pytest process, like the plugin itself
 
 
@@ -102,14 +102,19 @@ def install(config, processes: Sequence[Process]) -> None:
     config.pluginmanager.register(sys.modules[__name__], "tfdist_suite_guard")
 
 
-def process_of(item) -> Optional[str]:
-    """The env var of the process `item` runs in; None for the main process."""
+def process_of(item, selected_files: Set[str] = frozenset()) -> Optional[str]:
+    """The env var of the process `item` runs in; None for the main process. A process that
+    is only a way to use both cores (main_without_runner) leaves its tests to the main
+    process when the session does not include its runner (pytest tests/test_x.py)."""
     marker = item.get_closest_marker(OWN_PROCESS_MARKER)
     if marker:
         return marker.args[0]
     path = pathlib.Path(item.path).relative_to(item.config.rootpath).as_posix()
     for process in _state.processes:
         if path in process.files or (process.marker and item.get_closest_marker(process.marker)):
+            if (process.main_without_runner and process.runner not in selected_files
+                    and not os.environ.get(process.env_var)):
+                return None
             return process.env_var
     return None
 
@@ -133,7 +138,8 @@ def _current_process(wanted: Set[str]) -> Optional[str]:
 
 @pytest.hookimpl(trylast=True)  # after -k/-m: only the tests this session really selected
 def pytest_collection_modifyitems(session, config, items):
-    where = {item.nodeid: process_of(item) for item in items}
+    selected_files = {item.nodeid.split("::")[0] for item in items}
+    where = {item.nodeid: process_of(item, selected_files) for item in items}
     _state.here = _current_process({p.env_var for p in _state.processes}
                                    | {v for v in where.values() if v})
     keep, deselected = [], []
@@ -151,7 +157,10 @@ def pytest_collection_modifyitems(session, config, items):
         config.hook.pytest_deselected(items=deselected)
         items[:] = keep
     if _state.here is None:
-        _start_early(config, {item.nodeid.split("::")[0] for item in items})
+        _start_early(config, selected_files)
+        # their runners wait for them, so they go last: the main process keeps testing meanwhile
+        runners = {p.runner for p in _state.processes if p.env_var in _state.started}
+        items.sort(key=lambda item: item.nodeid.split("::")[0] in runners)   # stable
 
 
 def _start_early(config, selected_files: Set[str]) -> None:
@@ -167,8 +176,9 @@ def _start_early(config, selected_files: Set[str]) -> None:
         with open(os.path.join(directory, "stdout"), "w") as out, \
                 open(os.path.join(directory, "stderr"), "w") as err:
             # nice(1), not a preexec_fn: this process already runs TensorFlow's threads
+            nice = ["nice", "-n", str(process.nice)] if shutil.which("nice") else []
             popen = subprocess.Popen(
-                [*NICE, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                [*nice, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  *requested],
                 cwd=config.rootpath, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         _state.started[process.env_var] = _Started(popen, requested, directory, time.monotonic())
@@ -239,6 +249,17 @@ def run_own_process(config, env_var: str, tmp_path, fallback_args: Sequence[str]
     passed = set(passed_file.read_text().splitlines()) if passed_file.exists() else set()
     _state.passed_in.setdefault(env_var, set()).update(passed)
     return result, requested, passed
+
+
+def assert_passed_there(result, requested: Sequence[str], passed: Set[str], what: str) -> None:
+    """A runner's verdict on its process: exit 0, and every test it was given passed."""
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    print(result.stdout[-100_000:])  # pytest shows it under the failure: every traceback
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    assert result.returncode == 0, "\n".join([summary, *failed, result.stderr[-2000:]])
+    missing = sorted(set(requested) - passed)
+    assert not missing, f"{len(missing)} {what} test(s) did not pass there: {missing[:10]}"
+    assert passed, summary  # with nothing requested, the fallback set ran
 
 
 def _problems(session_ok: bool) -> List[str]:

@@ -68,6 +68,7 @@ class Process:
 @dataclasses.dataclass
 class _State:
     processes: Tuple[Process, ...]
+    alone_files: Tuple[str, ...] = ()
     here: Optional[str] = None                                   # env var of this process
     elsewhere: Dict[str, str] = dataclasses.field(default_factory=dict)  # node id -> env var
     passed_in: Dict[str, Set[str]] = dataclasses.field(default_factory=dict)
@@ -88,10 +89,11 @@ class _Started:
 _state: Optional[_State] = None  # one per pytest process, like the plugin itself
 
 
-def install(config, processes: Sequence[Process]) -> None:
-    """Called from a conftest's pytest_configure."""
+def install(config, processes: Sequence[Process], alone_files: Sequence[str] = ()) -> None:
+    """Called from a conftest's pytest_configure. `alone_files` (rootdir-relative) run in the
+    main process after the runners, when the processes started early have ended."""
     global _state
-    _state = _State(tuple(processes))
+    _state = _State(tuple(processes), alone_files=tuple(alone_files))
     config.addinivalue_line(
         "markers", f"{OWN_PROCESS_MARKER}(env_var): runs only in the pytest process a runner "
                    "test starts with env_var=1 (tests/suite_guard.py)")
@@ -156,11 +158,16 @@ def pytest_collection_modifyitems(session, config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = keep
-    if _state.here is None:
+    if _state.here is None and not config.option.collectonly:
         _start_early(config, selected_files)
-        # their runners wait for them, so they go last: the main process keeps testing meanwhile
+        # Their runners wait for them, so they go last but for the alone files: the main
+        # process keeps testing meanwhile, and the tests whose verdicts depend on time
+        # (watchdogs, collective timeouts) run once nothing else shares the cores.
         runners = {p.runner for p in _state.processes if p.env_var in _state.started}
-        items.sort(key=lambda item: item.nodeid.split("::")[0] in runners)   # stable
+        def phase(item):
+            path = item.nodeid.split("::")[0]
+            return 2 if path in _state.alone_files else 1 if path in runners else 0
+        items.sort(key=phase)   # stable: each phase keeps its order
 
 
 def _start_early(config, selected_files: Set[str]) -> None:

@@ -12,5 +12,5 @@ from conftest import DTENSOR_PROCESS
 
 
 def test_every_dtensor_case_in_a_fresh_process(run_own_process):
-    result, requested, passed = run_own_process(DTENSOR_PROCESS, ["tests"], timeout=3600)
+    result, requested, passed = run_own_process(DTENSOR_PROCESS, ["tests"], timeout=5400)
     suite_guard.assert_passed_there(result, requested, passed, "DTensor")

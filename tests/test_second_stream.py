@@ -9,5 +9,5 @@ from conftest import SECOND_STREAM_FILES, SECOND_STREAM_PROCESS
 
 def test_the_second_stream_passes_in_its_own_process(run_own_process):
     result, requested, passed = run_own_process(SECOND_STREAM_PROCESS, list(SECOND_STREAM_FILES),
-                                                timeout=3600)
+                                                timeout=5400)
     suite_guard.assert_passed_there(result, requested, passed, "second-stream")

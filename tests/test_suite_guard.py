@@ -132,7 +132,7 @@ def test_the_other_process_starts_when_collection_ends_not_when_its_runner_runs(
     ({"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER}, "1 passed, 2 skipped"),
 ], ids=["without_runner", "with_runner"])
 def test_a_process_that_may_run_in_main_does_so_without_its_runner(files, expected, tmp_path):
-    """The second stream's kind (conftest.SECOND_STREAM): `pytest tests/test_x.py` of one of
+    """A process that is only a way to use both cores: `pytest tests/test_x.py` of one of
     its files runs it in the main process instead of failing for a missing runner."""
     result = run_suite(tmp_path, files, {"DEMO_MAIN_WITHOUT_RUNNER": "1"})
     assert result.returncode == 0, result.stdout + result.stderr

@@ -224,10 +224,33 @@ def test_memory_sizes_parse_binary_and_decimal():
 
 
 def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
-    """Gradients + activations against TF's allocator on one CPU device (README: errors)."""
-    from tfdist.benchmarks import memory
-    row = memory.compare(list(memory.CONFIGS[0]))  # the mlp of --suite=memory
+    """Gradients + activations against TF's allocator on one CPU device (README: errors).
+
+    In a fresh process without TF_CPU_ALLOCATOR_USE_BFC, as a user's would be: the
+    allocator that keeps statistics has to be chosen before TensorFlow's devices exist.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    script = ("import json; from tfdist.benchmarks import memory; "
+              "print(json.dumps(memory.compare(list(memory.CONFIGS[0]))))")  # --suite=memory's mlp
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["measured"] > 0 and abs(row["error"]) < 1 / 3, row
+
+
+def test_a_process_whose_allocator_keeps_no_statistics_gets_told_how_to_measure(monkeypatch):
+    import tensorflow as tf
+    from tfdist.benchmarks import memory
+    monkeypatch.setenv(memory.ALLOCATOR_STATS_ENV, "false")  # TF's plain CPU allocator
+    tf.constant(1.0)  # TensorFlow's devices exist from here on
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+        pytest.skip("this CPU's default allocator keeps statistics (oneDNN's, on AVX512)")
+    except ValueError:
+        pass
+    with pytest.raises(RuntimeError, match="TF_CPU_ALLOCATOR_USE_BFC=true.*--suite=memory"):
+        memory.require_allocator_stats()
 
 
 def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(capsys):

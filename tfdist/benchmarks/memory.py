@@ -6,9 +6,16 @@ gradients + activations. TF 2.21 reports allocator statistics for CPU devices
 too (`tf.config.experimental.get_memory_info`), so this runs here; the error is
 (estimate - measured) / measured.
 
+Only some CPU allocators keep those statistics: oneDNN's (TensorFlow's default
+where oneDNN is on, on AVX512 CPUs) and the BFC allocator that
+TF_CPU_ALLOCATOR_USE_BFC=true selects. TensorFlow's plain CPU allocator, the
+default on an AVX2-only CPU, keeps none, so the measurement asks for BFC before
+TensorFlow creates its devices, and says how to get it if they already exist.
+
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
 
+import os
 import shlex
 from typing import Dict, List
 
@@ -29,6 +36,21 @@ CONFIGS = (  # `tfdist plan` flags: one per registry model, big enough to dwarf 
 
 
 MEASURED_STEPS = 5
+ALLOCATOR_STATS_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # read once, when TensorFlow creates its devices
+
+
+def require_allocator_stats(device: str = "CPU:0") -> None:
+    """Makes `device`'s allocator keep peak statistics, or raises saying how to."""
+    os.environ.setdefault(ALLOCATOR_STATS_ENV, "true")  # in time only if no device exists yet
+    import tensorflow as tf
+    try:
+        tf.config.experimental.get_memory_info(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"TensorFlow keeps no allocator statistics for {device!r} in this process "
+            f"({error}; {ALLOCATOR_STATS_ENV}={os.environ.get(ALLOCATOR_STATS_ENV)!r}). "
+            f"Start the measurement in a fresh process with {ALLOCATOR_STATS_ENV}=true, before "
+            f"anything runs a TensorFlow op: python -m experiments.benchmark --suite=memory") from None
 
 
 def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
@@ -40,6 +62,7 @@ def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
     busy machine one step of the mlp peaked 27% below the others). Memory has to
     fit the worst step, and the planner estimates that one.
     """
+    require_allocator_stats(device)
     import tensorflow as tf
     step, iterator = harness.train_step_and_iterator(config)
     float(step(iterator))  # trace and warm up: first-step allocations are not the steady state

@@ -28,10 +28,28 @@ DTENSOR = suite_guard.Process(
            "tests/test_dtensor_plan.py"))
 
 
+# A second stream of the main suite's tests, in a pytest process started beside the main
+# one (suite_guard: early start). The main process mostly keeps one of this machine's two
+# cores busy (one training process, or `import tensorflow` in a launch); these files
+# use the other. They are equivalence runs, notebooks, data and the planner: none waits on
+# a timeout, starts Slurm or a runner of its own, so sharing the cores changes no verdict.
+# The fault tests (watchdogs, collective timeouts) stay in the main process, which this
+# one yields to (nice 5; the DTensor process, nice 10, yields to both).
+SECOND_STREAM_FILES = tuple(f"tests/{name}.py" for name in (
+    "test_multi_worker", "test_keras_api", "test_keras_api_multi_worker", "test_notebooks",
+    "test_plan", "test_keras_io_guide", "test_pipeline_keras_hub", "test_user_code",
+    "test_user_data", "test_models", "test_training", "test_equivalence_mirrored",
+    "test_pipeline_cross_worker", "test_mpi", "test_data_sources", "test_one_process_modes"))
+SECOND_STREAM_PROCESS = "TFDIST_SECOND_STREAM"
+SECOND_STREAM = suite_guard.Process(
+    env_var=SECOND_STREAM_PROCESS, runner="tests/test_second_stream.py", nice=5,
+    files=SECOND_STREAM_FILES, main_without_runner=True)
+
+
 # Tests whose verdicts depend on time (a dead or stopped peer must end the others within
 # --collective_timeout, start-up deadlines, Slurm jobs, restarts) run last in the main
-# process, after the DTensor process has ended, alone on the cores: sharing them with two
-# other pytest processes, a 2-worker fault test and an MPI fault test failed.
+# process, once the processes above have ended, alone on the cores as in a one-stream
+# suite: sharing them, a 2-worker run took over 90 s to reach step 100 and a fault test failed.
 ALONE_FILES = tuple(f"tests/{name}.py" for name in (
     "test_mpi_errors", "test_mpi_faults", "test_multi_worker_failures",
     "test_pipeline_cross_worker_faults", "test_restart", "test_fault_tolerance", "test_launch",
@@ -40,7 +58,7 @@ ALONE_FILES = tuple(f"tests/{name}.py" for name in (
 
 
 def pytest_configure(config):
-    suite_guard.install(config, [DTENSOR], alone_files=ALONE_FILES)
+    suite_guard.install(config, [DTENSOR, SECOND_STREAM], alone_files=ALONE_FILES)
     from tfdist import devices
     devices.simulate_cpus(SIMULATED_CPUS)
     import tensorflow as tf

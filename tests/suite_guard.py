@@ -62,6 +62,7 @@ class Process:
     files: Tuple[str, ...] = ()       # every test in these files (rootdir-relative) runs there
     marker: Optional[str] = None      # ... and every test with this marker
     nice: int = 10                    # started early at this niceness (see the docstring)
+    main_without_runner: bool = False  # its tests may run in the main process instead
 
 
 @dataclasses.dataclass
@@ -103,14 +104,19 @@ def install(config, processes: Sequence[Process], alone_files: Sequence[str] = (
     config.pluginmanager.register(sys.modules[__name__], "tfdist_suite_guard")
 
 
-def process_of(item) -> Optional[str]:
-    """The env var of the process `item` runs in; None for the main process."""
+def process_of(item, selected_files: Set[str] = frozenset()) -> Optional[str]:
+    """The env var of the process `item` runs in; None for the main process. A process that
+    is only a way to use both cores (main_without_runner) leaves its tests to the main
+    process when the session does not include its runner (pytest tests/test_x.py)."""
     marker = item.get_closest_marker(OWN_PROCESS_MARKER)
     if marker:
         return marker.args[0]
     path = pathlib.Path(item.path).relative_to(item.config.rootpath).as_posix()
     for process in _state.processes:
         if path in process.files or (process.marker and item.get_closest_marker(process.marker)):
+            if (process.main_without_runner and process.runner not in selected_files
+                    and not os.environ.get(process.env_var)):
+                return None
             return process.env_var
     return None
 
@@ -135,7 +141,7 @@ def _current_process(wanted: Set[str]) -> Optional[str]:
 @pytest.hookimpl(trylast=True)  # after -k/-m: only the tests this session really selected
 def pytest_collection_modifyitems(session, config, items):
     selected_files = {item.nodeid.split("::")[0] for item in items}
-    where = {item.nodeid: process_of(item) for item in items}
+    where = {item.nodeid: process_of(item, selected_files) for item in items}
     _state.here = _current_process({p.env_var for p in _state.processes}
                                    | {v for v in where.values() if v})
     keep, deselected = [], []

@@ -16,6 +16,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PROCESS = "TFDIST_GUARD_DEMO_PROCESS"
 
 CONFTEST = f"""
+import os
 import sys
 sys.path.insert(0, {TESTS_DIR!r})
 import pytest
@@ -23,7 +24,8 @@ import suite_guard
 
 def pytest_configure(config):
     suite_guard.install(config, [suite_guard.Process(
-        env_var={PROCESS!r}, runner="test_runner.py", files=("test_elsewhere.py",))])
+        env_var={PROCESS!r}, runner="test_runner.py", files=("test_elsewhere.py",),
+        main_without_runner=bool(os.environ.get("DEMO_MAIN_WITHOUT_RUNNER")))])
 
 @pytest.fixture
 def run_own_process(request, tmp_path):
@@ -124,3 +126,14 @@ def test_the_other_process_starts_when_collection_ends_not_when_its_runner_runs(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed, 1 skipped" in result.stdout, result.stdout
 
+
+@pytest.mark.parametrize("files,expected", [
+    ({"test_elsewhere.py": ELSEWHERE}, "2 passed"),          # no runner: the main process runs them
+    ({"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER}, "1 passed, 2 skipped"),
+], ids=["without_runner", "with_runner"])
+def test_a_process_that_may_run_in_main_does_so_without_its_runner(files, expected, tmp_path):
+    """The second stream's kind (conftest.SECOND_STREAM): `pytest tests/test_x.py` of one of
+    its files runs it in the main process instead of failing for a missing runner."""
+    result = run_suite(tmp_path, files, {"DEMO_MAIN_WITHOUT_RUNNER": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert expected in result.stdout.strip().splitlines()[-1], result.stdout

@@ -184,39 +184,24 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, confi
     held = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     try:
-        wait_until_gone(tf_config.worker_addresses[DRIVER_RANK],
-                        told=lambda: _status_text(marker).isdigit())
+        wait_until_gone(tf_config.worker_addresses[DRIVER_RANK])
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.unlink(config_path(tf_config, tf_config.rank))
     return _status_left_for(marker, label)
 
 
-def wait_until_gone(address: str, told=lambda: False) -> None:
-    """Returns once nothing has answered at `address` for GONE_AFTER_SECONDS, or at
-    once when its port is shut and `told()`: worker 0 has left its last word, so a shut
-    port is its end, not a slow connection. Without that shortcut a serving worker
-    took its 3 s after worker 0's checkpoint on SIGTERM, past the launcher's default
-    5 s --grace_period, and was SIGKILLed before it said how it ended."""
+def wait_until_gone(address: str) -> None:
+    """Returns once nothing has answered at `address` for GONE_AFTER_SECONDS."""
     shut_since = None
     while True:
         if rendezvous.unreachable([address]):
-            if told():
-                return
             shut_since = shut_since or time.monotonic()
             if time.monotonic() - shut_since >= GONE_AFTER_SECONDS:
                 return
         else:
             shut_since = None
         time.sleep(POLL_SECONDS)
-
-
-def _status_text(marker: str) -> str:
-    try:
-        with open(marker) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _status_left_for(marker: str, label: str) -> int:

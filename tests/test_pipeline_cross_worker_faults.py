@@ -119,7 +119,11 @@ def assert_resumed_exactly(model_dir, results_path, uninterrupted, rtol=1e-6):
 
 def test_sigterm_checkpoints_every_stage_exits_4_and_the_rerun_resumes_exactly(tmp_path, uninterrupted):
     model_dir, results, log_path = tmp_path / "run", tmp_path / "results.json", tmp_path / "log"
-    process = launch(model_dir, results, log_path)
+    # Known defect (README, pipeline faults): a serving worker ends 3 s after worker 0's port
+    # shuts, after worker 0's checkpoint; on a slow machine that passed the launcher's default
+    # 5 s grace and it was SIGKILLed before saying how it ended (exit code and checkpoint
+    # were right). A grace that covers the save checks the orderly end itself.
+    process = launch(model_dir, results, log_path, "--grace_period", "30")
     wait_for_text(log_path, "step 100/", timeout=180)
     process.send_signal(signal.SIGTERM)
     assert finish(process, log_path) == EXIT_PREEMPTED, log_path.read_text()[-3000:]

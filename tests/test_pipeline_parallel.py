@@ -3,8 +3,8 @@
 Equivalence: per-step losses and final weights within 1e-5 relative of `default`
 for mlp, cnn and a small transformer, 20 steps, each in S in {2, 4} stages x M in
 {1, 4} micro-batches and the hybrid 2 stages x 2 replicas (GPipe), sgd and adam
-taking turns, and a subset of those with the 1F1B schedule; the final weights of EVERY replica
-and every stage, not only the model tfdist.run returns (replica 0's).
+taking turns, and a subset of those with the 1F1B schedule; the final weights of
+EVERY replica and every stage, not only the model tfdist.run returns (replica 0's).
 
 Placement: every stage variable and optimizer slot is on its stage's device, and
 in the step's *placed, partitioned* graph (what the executor runs, from

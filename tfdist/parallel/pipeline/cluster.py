@@ -32,9 +32,10 @@ on each worker (so it runs in that worker's process), the exit status it ends
 with into a file in that worker's private dir (TMPDIR/tfdist-UID, 0700; the same
 user runs every worker, as for the ring's secret file): 0 after a finished run, 4 after a
 preemption checkpoint. A worker that finds no such file when worker 0's port
-closes knows worker 0 failed and exits 3. A serving worker holds SIGTERM until
-worker 0 has ended: worker 0's preemption checkpoint reads the variables it
-serves.
+closes knows worker 0 failed and exits 3. A shut port counts as worker 0's end once
+it has stayed shut for 3 s, or at once after status 4 (wait_until_gone says why). A
+serving worker holds SIGTERM until worker 0 has ended: worker 0's preemption
+checkpoint reads the variables it serves.
 """
 
 import contextlib
@@ -184,18 +185,27 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, confi
     held = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     try:
-        wait_until_gone(tf_config.worker_addresses[DRIVER_RANK])
+        wait_until_gone(tf_config.worker_addresses[DRIVER_RANK],
+                        preempted=lambda: _status_text(marker) == str(EXIT_PREEMPTED))
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.unlink(config_path(tf_config, tf_config.rank))
     return _status_left_for(marker, label)
 
 
-def wait_until_gone(address: str) -> None:
-    """Returns once nothing has answered at `address` for GONE_AFTER_SECONDS."""
+def wait_until_gone(address: str, preempted=lambda: False) -> None:
+    """Returns once nothing has answered at `address` for GONE_AFTER_SECONDS, or at the
+    first shut port once `preempted()`: worker 0 leaves status 4 only after its preemption
+    checkpoint, as its last act before it exits, so a shut port then is its end, not a slow
+    connection. Without this a serving worker spent its 3 s after worker 0's checkpoint,
+    past `tfdist launch`'s default 5 s --grace_period, and was SIGKILLed before it said how
+    it ended. Status 0 gets no such shortcut: a process may run again after a finished run,
+    and a stale 0 plus one failed connection would end a healthy serving worker."""
     shut_since = None
     while True:
         if rendezvous.unreachable([address]):
+            if preempted():
+                return
             shut_since = shut_since or time.monotonic()
             if time.monotonic() - shut_since >= GONE_AFTER_SECONDS:
                 return
@@ -204,15 +214,20 @@ def wait_until_gone(address: str) -> None:
         time.sleep(POLL_SECONDS)
 
 
+def _status_text(marker: str) -> str:
+    try:
+        with open(marker) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _status_left_for(marker: str, label: str) -> int:
     """The status worker 0 left in the marker; none (or an empty one: worker 0 clears it
     when a run starts) means it ended without finishing."""
-    try:
-        with open(marker) as f:
-            text = f.read().strip()
+    text = _status_text(marker)
+    with contextlib.suppress(OSError):
         os.unlink(marker)
-    except OSError:
-        text = ""
     if not text.isdigit():
         log.error("pipeline: %s: worker 0, which drives the pipeline, ended without "
                   "finishing (see its log); this worker ends too", label)

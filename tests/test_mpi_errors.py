@@ -16,8 +16,10 @@ Real launches (Open MPI's mpirun, directly or through `tfdist launch --mpi`), no
   install when there is no mpirun.
 """
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,8 +43,35 @@ def environment(**extra):
 
 
 def run(command, timeout=180, **env):
-    return subprocess.run(command, cwd=REPO, env=environment(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    """The command in a session of its own: on a timeout the assertion shows what of the job
+    still ran (mpirun, or which rank) and the end of its output, and the whole session is
+    killed, so no rank outlives the test. (Once, in a full-suite run, mpirun with a rank dead
+    at start-up neither ended nor let the test see why; it has not recurred in reruns.)"""
+    process = subprocess.Popen(command, cwd=REPO, env=environment(**env), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        still_running = session_processes(process.pid)
+        for pid in [int(line.split()[0]) for line in still_running]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"no end within {timeout} s: {' '.join(command[:12])} ...\nstill running:\n"
+            + "\n".join(still_running) + f"\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def session_processes(session_id: int) -> list:
+    """'PID ELAPSED STATE COMMAND' of every process in the session (real /proc, via ps)."""
+    listing = subprocess.run(["ps", "-e", "-o", "pid=,sid=,etime=,stat=,args="],
+                             capture_output=True, text=True).stdout.splitlines()
+    rows = [line.split(None, 4) for line in listing]
+    return [" ".join([pid, elapsed, state, args[:200]])
+            for pid, sid, elapsed, state, args in (row for row in rows if len(row) == 5)
+            if int(sid) == session_id]
 
 
 def mpirun(np_, command, *mpirun_flags, timeout=180, **env):

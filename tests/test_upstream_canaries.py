@@ -112,3 +112,45 @@ def test_checkpoint_saver_retraces_for_several_tasks():
     source = inspect.getsource(functional_saver.MultiDeviceSaver.save)
     assert "self._num_unique_tasks > 1" in source
     assert "def tf_function_save()" in source
+
+
+# What a fresh process reports: which of these Keras left imported (a module LazyLoader has
+# not run yet is an instance of a ModuleType subclass of its own), then whether the deferred
+# modules still work once used.
+_KERAS_EXTRAS_PROBE = """
+import sys, types
+import tfdist, tensorflow as tf, keras
+watched = ("sklearn", "matplotlib.pyplot")
+print("IMPORTED", *[m for m in watched if type(sys.modules.get(m)) is types.ModuleType])
+from keras.wrappers import SKLearnRegressor
+assert tf.keras.wrappers.SKLearnRegressor is SKLearnRegressor
+assert callable(keras.visualization.plot_image_gallery)
+assert callable(tf.keras.visualization.draw_bounding_boxes)
+print("USED", *[m for m in watched if type(sys.modules.get(m)) is types.ModuleType])
+from sklearn.base import BaseEstimator
+assert issubclass(keras.wrappers.SKLearnClassifier, BaseEstimator)
+"""
+
+
+def _keras_extras(eager: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TFDIST_EAGER_KERAS_IMPORTS"}
+    env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    if eager:
+        env["TFDIST_EAGER_KERAS_IMPORTS"] = "1"
+    result = subprocess.run([sys.executable, "-c", _KERAS_EXTRAS_PROBE], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) if " " in line else (line, "")
+                 for line in result.stdout.splitlines())
+    return {key: set(lines[key].split()) for key in ("IMPORTED", "USED")}
+
+
+def test_keras_still_imports_sklearn_and_pyplot_eagerly():
+    """tfdist.lazy_keras (no upstream issue): Keras imports scikit-learn and matplotlib.pyplot
+    at `import keras`. If the eager run stops importing them, Keras fixed it: delete
+    lazy_keras. If the deferred run imports them, the deferral stopped working."""
+    both = {"sklearn", "matplotlib.pyplot"}
+    assert _keras_extras(eager=True)["IMPORTED"] == both
+    deferred = _keras_extras(eager=False)
+    assert deferred["IMPORTED"] == set(), deferred
+    assert deferred["USED"] == both, deferred    # loaded on first use, and they work

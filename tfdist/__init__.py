@@ -13,8 +13,13 @@ A registry model from a config (what `python -m experiments.train` runs):
 
     results = tfdist.run(tfdist.RunConfig(strategy="mirrored", simulate_devices=2))
 
-Importing tfdist is cheap; TensorFlow is imported when a run starts.
+Importing tfdist is cheap; TensorFlow is imported when a run starts. Imported before
+Keras, tfdist defers the Keras modules training never uses (tfdist.lazy_keras).
 """
+
+from tfdist import lazy_keras
+
+lazy_keras.defer_unused_keras_modules()
 
 from tfdist.config import DataConfig, ModelConfig, RunConfig
 from tfdist.errors import UsageError

@@ -1,0 +1,62 @@
+"""Keras modules that training never uses are loaded when first used, not at `import keras`.
+
+Why: Keras 3.15 imports scikit-learn (for keras.wrappers' SKLearnClassifier, which
+subclasses sklearn's BaseEstimator at import, pulling in scipy.stats) and
+matplotlib.pyplot (for keras.visualization's plot functions) whenever Keras is imported,
+and TensorFlow imports Keras. Measured here, that is about 1.2 s of the CPU each
+tfdist process spends before its first step (`python -m tfdist.benchmarks.import_time`),
+paid by every worker of every launch and every restart. No upstream issue asks for
+these imports to be lazy (searched keras-team/keras, 2026-12).
+
+How: a finder at the front of sys.meta_path finds these modules' specs with the other
+finders and wraps their loaders in importlib.util.LazyLoader, so `from keras import
+wrappers` binds a module whose code runs on its first attribute access. Nothing else
+changes: `keras.wrappers.SKLearnClassifier`, `tf.keras.visualization` and
+`from keras.wrappers import SKLearnRegressor` work as before, a moment later.
+
+Installed by `import tfdist` when Keras is not imported yet (afterwards it could no
+longer change anything); TFDIST_EAGER_KERAS_IMPORTS=1 turns it off. The canary
+tests/test_upstream_canaries.py::test_keras_still_imports_sklearn_and_pyplot_eagerly fails
+when Keras stops importing them eagerly (then this module can go) or when the deferral
+stops working.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+OPT_OUT = "TFDIST_EAGER_KERAS_IMPORTS"
+# Keras' public module and its tf.keras alias for each; keras.src.visualization because
+# keras.src's own __init__ imports it. Keras and TensorFlow import none of them for training.
+DEFERRED = frozenset({
+    "keras.wrappers", "keras._tf_keras.keras.wrappers",
+    "keras.visualization", "keras._tf_keras.keras.visualization", "keras.src.visualization",
+})
+
+
+class _DeferringFinder(importlib.abc.MetaPathFinder):
+    """Finds a DEFERRED module as the next finders do, but loads it lazily."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in DEFERRED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = importlib.util.LazyLoader(spec.loader)
+                return spec
+        return None
+
+
+def defer_unused_keras_modules() -> bool:
+    """Installs the finder once; True if it is installed (Keras not yet imported, no opt-out)."""
+    if any(isinstance(f, _DeferringFinder) for f in sys.meta_path):
+        return True
+    if os.environ.get(OPT_OUT) == "1" or "keras" in sys.modules:
+        return False
+    sys.meta_path.insert(0, _DeferringFinder())
+    return True

@@ -115,10 +115,6 @@ def test_killed_rank_restarts_the_job_and_it_resumes_exactly(tmp_path, uninterru
     assert start_step >= 80 and start_step % 40 == 0, start_step
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, cause not found: on the slower 2-core machine of 2026-12-01 (import tensorflow "
-    "10-12 s) this test failed in both fresh-clone runs, once alone on the cores; it passed in "
-    "every CI run before. The assertion that failed was not read before the session ended"))
 def test_stopped_rank_ends_the_other_with_exit_3_and_nothing_is_left(tmp_path):
     log_path = tmp_path / "log"
     process = start(tmp_path / "run", tmp_path / "results.json", log_path,
@@ -130,6 +126,14 @@ def test_stopped_rank_ends_the_other_with_exit_3_and_nothing_is_left(tmp_path):
     code = finish(process, log_path, timeout=120)
     assert code == EXIT_CLUSTER_ERROR, log_path.read_text()[-3000:]
     assert time.monotonic() - stopped < 10 + 20
-    assert "made no progress for --collective_timeout=10 s" in log_path.read_text()
+    # Two detectors end rank 0, both correct: tfdist's watchdog ("made no progress for
+    # --collective_timeout=10 s") and TensorFlow's coordination service, whose heartbeat
+    # loss aborts the collective ("stopped sending heartbeats") at about the same time.
+    # Which one wins is a race: 3 of 7 runs here ended by heartbeat, and this test, which
+    # asked for the watchdog's words, was a "known defect" for it. Both say the same to users.
+    log = log_path.read_text()
+    assert "tfdist: cluster error: worker 0 of 2: a" in log, log[-3000:]
+    assert ("made no progress for --collective_timeout=10 s: a peer died or stopped answering"
+            in log or "a peer died or stopped answering during training" in log), log[-3000:]
     for pid in ranks.values():
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()

@@ -129,8 +129,9 @@ def test_stopped_rank_ends_the_other_with_exit_3_and_nothing_is_left(tmp_path):
     # Two detectors end rank 0, both correct: tfdist's watchdog ("made no progress for
     # --collective_timeout=10 s") and TensorFlow's coordination service, whose heartbeat
     # loss aborts the collective ("stopped sending heartbeats") at about the same time.
-    # Which one wins is a race: 3 of 7 runs here ended by heartbeat, and this test, which
-    # asked for the watchdog's words, was a "known defect" for it. Both say the same to users.
+    # Which one wins is a race: 3 of 7 runs here (2026-12-02) ended by heartbeat and failed
+    # when this test asked for the watchdog's words; it had been marked a known defect after
+    # two unread failures on a slower machine. Both endings tell users the same.
     log = log_path.read_text()
     assert "tfdist: cluster error: worker 0 of 2: a" in log, log[-3000:]
     assert ("made no progress for --collective_timeout=10 s: a peer died or stopped answering"

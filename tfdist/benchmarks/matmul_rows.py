@@ -1,11 +1,17 @@
 """One thread's matrix multiply by rows: what cutting a batch into micro-batches costs.
 
-    python -m tfdist.benchmarks.pinned python -m tfdist.benchmarks.matmul_rows [--seconds 2]
+    python -m tfdist.benchmarks.pinned python -m tfdist.benchmarks.matmul_rows \
+        [--seconds 2] [--widths 2048,2064] [--rows 256,320,512,2048]
 
-For rows in 256, 512, 2048: GFLOP/s of a Dense layer's three products, [rows, 2048] x
-[2048, 2048] (forward), its input gradient (by the transpose) and its weight gradient, each in
+For each width W and row count: GFLOP/s of a Dense layer's three products, [rows, W] x
+[W, W] (forward), its input gradient (by the transpose) and its weight gradient, each in
 a tf.function on one intra- and one inter-op thread. The pipeline overlap suite's micro-batches
 are these rows (README, "Rechecked on a slower machine").
+
+Why more than one width: on a 2-core AVX2 EPYC (Zen 3) the forward product and the input
+gradient ran at half speed at 256-288 rows when W was 2048 and not when it was 2000 or 2064
+(README, "A power-of-two width"), so the width, not only the row count, decides what a
+micro-batch costs there.
 """
 
 import argparse
@@ -14,34 +20,56 @@ import time
 
 os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
                   TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-WIDTH = 2048
+WIDTHS = (2048,)
 ROWS = (256, 512, 2048)
 
 
-def gflops(product, rows: int, seconds: float) -> float:
+def gflops(product, rows: int, width: int, seconds: float) -> float:
     product()   # traced and warmed up outside the timing
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         product().numpy()
         calls += 1
-    return 2 * rows * WIDTH * WIDTH * calls / (time.perf_counter() - start) / 1e9
+    return 2 * rows * width * width * calls / (time.perf_counter() - start) / 1e9
+
+
+def positive_ints(text: str) -> tuple:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def rates(width: int, rows: int, seconds: float) -> list:
+    """GFLOP/s of the forward product, the input gradient and the weight gradient."""
+    import tensorflow as tf
+    weights = tf.random.normal([width, width])
+    inputs, output_grads = tf.random.normal([rows, width]), tf.random.normal([rows, width])
+    products = (tf.function(lambda: tf.matmul(inputs, weights)),
+                tf.function(lambda: tf.matmul(output_grads, weights, transpose_b=True)),
+                tf.function(lambda: tf.matmul(inputs, output_grads, transpose_a=True)))
+    return [gflops(product, rows, width, seconds) for product in products]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="timing per product")
+    parser.add_argument("--widths", type=positive_ints, default=WIDTHS,
+                        help="layer widths W, comma-separated")
+    parser.add_argument("--rows", type=positive_ints, default=ROWS,
+                        help="row counts (micro-batch sizes), comma-separated")
     args = parser.parse_args(argv)
-    import tensorflow as tf
-    weights = tf.random.normal([WIDTH, WIDTH])
-    print("| rows | forward GFLOP/s | input gradient GFLOP/s | weight gradient GFLOP/s |")
-    print("|---|---|---|---|")
-    for rows in ROWS:
-        inputs, output_grads = tf.random.normal([rows, WIDTH]), tf.random.normal([rows, WIDTH])
-        products = (tf.function(lambda: tf.matmul(inputs, weights)),
-                    tf.function(lambda: tf.matmul(output_grads, weights, transpose_b=True)),
-                    tf.function(lambda: tf.matmul(inputs, output_grads, transpose_a=True)))
-        rates = [gflops(product, rows, args.seconds) for product in products]
-        print(f"| {rows} | " + " | ".join(f"{rate:.1f}" for rate in rates) + " |", flush=True)
+    print("| width | rows | forward GFLOP/s | input gradient GFLOP/s | weight gradient GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for width in args.widths:
+        for rows in args.rows:
+            row = rates(width, rows, args.seconds)
+            print(f"| {width} | {rows} | " + " | ".join(f"{rate:.1f}" for rate in row) + " |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,37 @@ import sys
 import pytest
 
 from tfdist.benchmarks import matmul_rows
+from tfdist.benchmarks.torch_pipeline import torch_missing
 
 
-def test_reports_every_width_and_row_count():
-    out = subprocess.run(
+def tiny_run(*flags):
+    return subprocess.run(
         [sys.executable, "-m", "tfdist.benchmarks.matmul_rows", "--seconds", "0.1",
-         "--widths", "64,72", "--rows", "32,64"],
-        capture_output=True, text=True, timeout=120, check=True).stdout
+         "--widths", "64,72", "--rows", "32,64", *flags],
+        capture_output=True, text=True, timeout=120)
+
+
+def assert_every_row(out):
     rows = [line.split("|")[1:-1] for line in out.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(64, 32), (64, 64), (72, 32), (72, 64)]
     # sizes big enough that no rate rounds to 0.0 at one decimal
     assert all(float(value) > 0 for r in rows for value in r[2:]), out
+
+
+def test_reports_every_width_and_row_count():
+    ran = tiny_run()
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert_every_row(ran.stdout)
+
+
+def test_torch_reports_the_same_rows_or_says_how_to_install_it():
+    ran = tiny_run("--framework", "torch")
+    if torch_missing():
+        assert ran.returncode == 2 and "pip install torch" in ran.stderr, ran.stderr[-2000:]
+    else:
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert_every_row(ran.stdout)
 
 
 @pytest.mark.parametrize("text", ["", "0", "256,x", "-1"])

@@ -154,3 +154,45 @@ def test_the_allreduce_suite_times_mpi_over_shared_memory_and_tcp(tmp_path):
         ("mpi", "2", str(1 << 20)), ("mpi_tcp", "2", str(1 << 20))]
     assert all(float(r["busbw_GBps"]) > 0 for r in rows)
     assert (tmp_path / "allreduce.md").read_text() in done.stdout
+
+
+def test_paired_refuses_what_it_cannot_compare():
+    from tfdist.benchmarks import paired
+    assert paired.parse_contenders("tcp, shm") == ["tcp", "shm"]
+    with pytest.raises(UsageError, match="Unknown collective 'gloo' in --contenders='shm,gloo'. "
+                                         "Valid names: tf, tcp, shm, mpi"):
+        paired.parse_contenders("shm,gloo")
+    for text in ("shm", "shm,shm", "tcp,shm,mpi"):
+        with pytest.raises(UsageError, match="two different collectives"):
+            paired.parse_contenders(text)
+    done = subprocess.run([sys.executable, "-m", "tfdist.benchmarks.paired", "--pairs=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--pairs must be >= 1" in done.stderr, done.stderr
+
+
+def test_paired_flips_the_order_and_counts_the_pairs_won():
+    from tfdist.benchmarks import paired
+    calls = []
+    rates = {"shm": iter([100.0, 100.0, 100.0]), "mpi": iter([110.0, 90.0, 105.0])}
+    runs = {name: (lambda name=name: calls.append(name) or next(rates[name])) for name in rates}
+    rows = paired.run_pairs(runs, 3)
+    assert calls == ["shm", "mpi", "mpi", "shm", "shm", "mpi"]
+    assert [row["mpi/shm"] for row in rows] == [1.1, 0.9, 1.05]
+    total = paired.summary(rows, "shm", "mpi")
+    assert total["mpi/shm"] == 1.05 and total["order"] == "mpi at or above shm in 2 of 3 pairs"
+
+
+@pytest.mark.slow
+def test_the_paired_benchmark_runs_both_contenders(tmp_path):
+    from tfdist.benchmarks import allreduce
+    contenders = "tcp,shm" if allreduce.mpi_missing() else "shm,mpi"
+    a, b = contenders.split(",")
+    command = [sys.executable, "-m", "tfdist.benchmarks.paired", f"--contenders={contenders}",
+               "--pairs=1", "--steps=5", f"--out_dir={tmp_path}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    columns, rows = read_csv(tmp_path / "paired.csv")
+    assert columns == ["pair", "order", a, b, f"{b}/{a}"]
+    assert [row["pair"] for row in rows] == ["1", "median"]
+    assert all(float(row[name]) > 0 for row in rows for name in (a, b, f"{b}/{a}"))

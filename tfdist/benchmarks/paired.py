@@ -1,0 +1,104 @@
+"""Two multi-worker contenders of the throughput suite, in many alternating pairs.
+
+    python -m tfdist.benchmarks.paired [--contenders shm,mpi] [--pairs 10] [--steps 300]
+        -> a markdown table of every pair and its ratio; benchmarks/results/paired.{csv,md}
+
+Why: the throughput suite's 3 trials per contender cannot tell two collectives apart
+when they differ by less than this shared 2-core machine's noise (5-20% between runs
+minutes apart). Here each pair runs A and B back to back, in the order A B, then B A
+in the next pair (so a machine that drifts slower hits both alike), and the report
+gives each pair's ratio B/A, their median, and how many pairs B won. A gain of a few
+percent shows as most pairs above 1.0 even when single runs scatter more than that.
+
+Contenders are the throughput suite's workload (throughput.TRAIN_FLAGS: MLP
+784-1024-1024-10, global batch 512, SGD, one thread per process), 2 workers, with
+these collectives: tf (TensorFlow's own), tcp, shm, mpi (under `tfdist launch --mpi`).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List, Sequence
+
+from tfdist.benchmarks import allreduce, throughput
+from tfdist.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COLLECTIVES = ("tf", "tcp", "shm", "mpi")
+
+
+def runner(name: str, steps: int, workers: int = 2) -> Callable[[], float]:
+    """() -> examples/s of the throughput workload on `workers` workers over `name`."""
+    if name == "tf":
+        return lambda: throughput._tfdist_rate(workers, steps)
+    if name == "mpi":
+        return lambda: throughput._tfdist_rate(workers, steps, ["--collective=mpi"], ["--mpi"])
+    return lambda: throughput._tfdist_rate(workers, steps, [f"--collective={name}"])
+
+
+def parse_contenders(text: str) -> Sequence[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if len(names) != 2 or names[0] == names[1]:
+        raise UsageError(f"--contenders takes two different collectives, A,B; got {text!r}. "
+                         f"Valid names: {', '.join(COLLECTIVES)}.")
+    for name in names:
+        if name not in COLLECTIVES:
+            raise UsageError(f"Unknown collective {name!r} in --contenders={text!r}. "
+                             f"Valid names: {', '.join(COLLECTIVES)}.")
+    if "mpi" in names and allreduce.mpi_missing():
+        raise UsageError(f"--contenders={text!r} needs MPI: {allreduce.mpi_missing()} "
+                         f"(pip install -e \".[mpi]\").")
+    return names
+
+
+def run_pairs(runs: Dict[str, Callable[[], float]], pairs: int) -> List[Dict]:
+    """One row per pair: both rates and B/A; the order flips every pair."""
+    a, b = runs
+    rows = []
+    for pair in range(pairs):
+        order = (a, b) if pair % 2 == 0 else (b, a)
+        rates = {}
+        for name in order:
+            rates[name] = runs[name]()
+            print(f"pair {pair + 1}/{pairs} {name}: {rates[name]:.0f} examples/s "
+                  f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        rows.append({"pair": pair + 1, "order": " then ".join(order),
+                     a: round(rates[a], 1), b: round(rates[b], 1),
+                     f"{b}/{a}": round(rates[b] / rates[a], 4)})
+    return rows
+
+
+def summary(rows: List[Dict], a: str, b: str) -> Dict:
+    ratios = [row[f"{b}/{a}"] for row in rows]
+    return {"pair": "median", "order": f"{b} at or above {a} in {sum(r >= 1 for r in ratios)} "
+                                       f"of {len(ratios)} pairs",
+            a: round(statistics.median(row[a] for row in rows), 1),
+            b: round(statistics.median(row[b] for row in rows), 1),
+            f"{b}/{a}": round(statistics.median(ratios), 4)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contenders", default="shm,mpi", help="A,B: B/A is reported")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
+    args = parser.parse_args(argv)
+    try:
+        a, b = parse_contenders(args.contenders)
+        if args.pairs < 1 or args.steps < 2:
+            raise UsageError(f"--pairs must be >= 1 and --steps >= 2; got --pairs={args.pairs} "
+                             f"--steps={args.steps}.")
+    except UsageError as error:
+        print(f"tfdist: error: {error}", file=sys.stderr)
+        return 2
+    rows = run_pairs({a: runner(a, args.steps), b: runner(b, args.steps)}, args.pairs)
+    rows.append(summary(rows, a, b))
+    from tfdist.benchmarks import report
+    print(report.write_all(rows, args.out_dir, "paired"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

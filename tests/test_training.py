@@ -84,3 +84,17 @@ def test_progress_draws_a_bar_on_a_terminal():
         progress.update(step, loss=1.0 / step)
     text = stream.getvalue()
     assert "20/20" in text and "ex/s" in text and text.endswith("\n")
+
+
+def test_the_last_training_iterator_outlives_the_run_and_only_one_is_kept():
+    """Destroying a long-lived tf.data iterator can block for seconds (tfdist.train.loop.
+    keep_last_iterator): the run leaves its training iterator alive, so a multi-process
+    run's os._exit skips that wait, and the next run replaces it (one per process,
+    not one per run)."""
+    from tfdist.train import loop
+    runner.run(small_config())
+    first = list(loop._LAST_TRAIN_ITERATOR)
+    assert len(first) == 1 and first[0] is not None
+    next(iter(first[0]))   # still a live iterator: it yields a batch
+    runner.run(small_config())
+    assert len(loop._LAST_TRAIN_ITERATOR) == 1 and loop._LAST_TRAIN_ITERATOR[0] is not first[0]

@@ -705,8 +705,23 @@ class Worker:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log(f"{self.label} (pid {self.pid}) did not die after SIGKILL; leaving it.")
+        if self.mpirun:
+            self._wait_for_ranks_to_end(deadline)
         for reader in self.readers:
             reader.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+    def _wait_for_ranks_to_end(self, deadline: float) -> None:
+        """mpirun's ranks, SIGKILLed with it, can take a moment to die (a TensorFlow process
+        frees a GiB or more): without this wait the launcher could return while one still
+        ran (seen once in a fresh-clone suite run, tests/test_mpi_faults.py), so a caller
+        that starts the job again could find it. Zombies count as ended."""
+        while time.monotonic() < deadline:
+            members = session_members(self.pid)
+            if not members or all(state == "Z" for state, _ in process_states(members).values()):
+                return
+            time.sleep(POLL_SECONDS)
+        log(f"{self.label}'s ranks (session {self.pid}) did not all die after SIGKILL; leaving them.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -342,22 +342,26 @@ def mpirun_command(options: LaunchOptions, mpirun: str, command: List[str],
     return [mpirun, *flags, *options.mpi_args, *command]
 
 
+def _stat_fields(pid) -> Optional[List[str]]:
+    """/proc/PID/stat's fields after "pid (comm) " (state ppid pgrp session ...), None once it ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def session_members(session: int) -> Optional[List[int]]:
     """Pids of the processes in session `session` (Linux's /proc), None without /proc."""
     if not os.path.isdir("/proc/self"):
         return None
     members = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:   # it ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp session
-        if int(fields[3]) == session:
-            members.append(int(name))
+        if name.isdigit():
+            fields = _stat_fields(name)
+            if fields is not None and int(fields[3]) == session:
+                members.append(int(name))
     return members
 
 
@@ -392,18 +396,28 @@ def process_states(pids: Sequence[int]) -> Dict[int, Tuple[str, Optional[int]]]:
     out. A zombie's status is field 52 (Linux >= 3.5, waitpid's encoding), as a shell reports it."""
     states = {}
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
+        fields = _stat_fields(pid)
+        if fields is None:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()   # fields[0] is field 3, the state
         code = None
         if fields[0] == "Z" and len(fields) >= 50:
             status = int(fields[49])
             code = 128 + (status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
         states[pid] = (fields[0], code)
     return states
+
+
+def mpirun_ranks(mpirun_pid: int) -> Optional[Dict[int, Tuple[str, Optional[int]]]]:
+    """process_states of every process in mpirun's session but mpirun; None without /proc."""
+    members = session_members(mpirun_pid)
+    if members is None:
+        return None
+    return process_states([pid for pid in members if pid != mpirun_pid])
+
+
+def all_ended(ranks: Mapping[int, Tuple[str, Optional[int]]]) -> bool:
+    """No rank left running: each ended, or a zombie."""
+    return all(state == "Z" for state, _ in ranks.values())
 
 
 class MpirunTeardownGuard:
@@ -433,12 +447,11 @@ class MpirunTeardownGuard:
         if now < self.next_check:
             return None
         self.next_check = now + MPIRUN_CHECK_SECONDS
-        members = session_members(self.worker.pid)
-        if members is None:   # no /proc: nothing to judge by
+        ranks = mpirun_ranks(self.worker.pid)
+        if ranks is None:   # no /proc: nothing to judge by
             return None
-        ranks = process_states([pid for pid in members if pid != self.worker.pid])
         self.saw_ranks = self.saw_ranks or bool(ranks)
-        if not self.saw_ranks or any(state != "Z" for state, _ in ranks.values()):
+        if not self.saw_ranks or not all_ended(ranks):
             self.ranks_ended_at = None
             return None
         self.ranks_ended_at = self.ranks_ended_at or now
@@ -717,8 +730,8 @@ class Worker:
         ran (seen once in a fresh-clone suite run, tests/test_mpi_faults.py), so a caller
         that starts the job again could find it. Zombies count as ended."""
         while time.monotonic() < deadline:
-            members = session_members(self.pid)
-            if not members or all(state == "Z" for state, _ in process_states(members).values()):
+            ranks = mpirun_ranks(self.pid)
+            if ranks is None or all_ended(ranks):
                 return
             time.sleep(POLL_SECONDS)
         log(f"{self.label}'s ranks (session {self.pid}) did not all die after SIGKILL; leaving them.")

@@ -25,13 +25,21 @@ WIDTHS = (2048,)
 ROWS = (256, 512, 2048)
 
 
+MIN_CALLS = 10   # a short --seconds on a loaded machine still times more than one call
+
+
 def gflops(product, rows: int, width: int, seconds: float) -> float:
     product()   # traced and warmed up outside the timing
     calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while calls < MIN_CALLS or time.perf_counter() - start < seconds:
         product().numpy()
         calls += 1
     return 2 * rows * width * width * calls / (time.perf_counter() - start) / 1e9
+
+
+def shown(rate: float) -> str:
+    """One decimal, but never a positive rate printed as 0.0 (a tiny size under load)."""
+    return f"{rate:.1f}" if rate >= 1 else f"{rate:.3g}"
 
 
 def positive_ints(text: str) -> tuple:
@@ -93,7 +101,7 @@ def main(argv=None) -> None:
     for width in args.widths:
         for rows in args.rows:
             row = rates(width, rows, args.seconds, args.framework)
-            print(f"| {width} | {rows} | " + " | ".join(f"{rate:.1f}" for rate in row) + " |",
+            print(f"| {width} | {rows} | " + " | ".join(shown(rate) for rate in row) + " |",
                   flush=True)
 
 

@@ -84,7 +84,7 @@ def rates(width: int, rows: int, seconds: float, framework: str = "tensorflow") 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="timing per product")
+    parser.add_argument("--seconds", type=float, default=2.0, help="timing per product (at least MIN_CALLS = 10 calls whatever this says)")
     parser.add_argument("--widths", type=positive_ints, default=WIDTHS,
                         help="layer widths W, comma-separated")
     parser.add_argument("--rows", type=positive_ints, default=ROWS,

@@ -20,7 +20,8 @@ from tfdist.errors import UsageError
 
 SOAK_COLUMNS = ["collective", "worker", "steps", "exit", "wall_s", "threads_first", "threads_last",
                 "threads_ratio", "threads_peak", "rss_first_mb", "rss_last_mb", "rss_ratio",
-                "rss_kb_per_step", "fds_first", "fds_last", "first_sample_step", "last_sample_step", "pass"]
+                "rss_kb_per_step", "pace_from_step", "fds_first", "fds_last", "first_sample_step",
+                "last_sample_step", "pass"]
 CHAOS_COLUMNS = ["collective", "steps", "checkpoint_every", "seed", "kills_requested",
                  "kills_delivered", "restarts_seen", "exit", "killed_ranks", "kill_steps",
                  "resumed_at", "steps_recomputed", "steps_recomputed_each", "reference_wall_s",
@@ -98,17 +99,29 @@ def read_csv(path):
         return reader.fieldnames, list(reader)
 
 
-def test_the_soak_suite_judges_growth_per_step_over_long_runs_only():
-    at_10, at_20010 = soak.Sample(120, 770_000, 15, 10), soak.Sample(120, 830_000, 15, 20010)
-    assert soak.rss_kb_per_step(at_10, at_20010) == 3.0   # 60 MB over 20,000 steps
-    assert not soak.growth_ok(at_10, at_20010)             # under the 1.5x ratio all the same
-    assert soak.growth_ok(at_10, soak.Sample(120, 771_000, 15, 20010))   # the loss list's pace
-    short = soak.Sample(120, 830_000, 15, 60)               # warm-up, not a pace: not judged
-    assert soak.rss_kb_per_step(at_10, short) == 1200.0 and soak.growth_ok(at_10, short)
-    assert soak.rss_kb_per_step(at_10, at_10) is None
-    outcome = soak.RunOutcome(0, 1.0, 20010, {}, {0: soak.WorkerTrace(at_10, at_20010, 120)}, "")
-    [row] = soak.rows_of("shm", 20010, outcome)
-    assert (row["rss_kb_per_step"], row["rss_ratio"], row["pass"]) == ("3.00", "1.08", "NO")
+def test_the_soak_suite_judges_growth_per_step_past_warm_up_over_long_runs_only():
+    at_10, at_2000 = soak.Sample(120, 700_000, 15, 10), soak.Sample(120, 770_000, 15, 2000)
+    at_22000 = soak.Sample(120, 830_000, 15, 22000)
+    assert soak.rss_kb_per_step(at_2000, at_22000) == 3.0   # 60 MB over 20,000 steps
+    assert not soak.growth_ok(at_2000, at_22000)            # under the 1.5x ratio all the same
+    assert soak.growth_ok(at_2000, soak.Sample(120, 771_000, 15, 22000))   # the loss list's pace
+    short = soak.Sample(120, 830_000, 15, 2060)              # too few steps for a pace: not judged
+    assert soak.growth_ok(at_2000, short) and soak.growth_ok(None, at_22000)
+    assert soak.rss_kb_per_step(at_2000, at_2000) is None
+    trace = soak.WorkerTrace()
+    for s in (at_10, soak.Sample(120, 760_000, 15, 1990), at_2000, at_22000):
+        trace.add(s)
+    assert (trace.first, trace.settled, trace.last) == (at_10, at_2000, at_22000)
+    outcome = soak.RunOutcome(0, 1.0, 22000, {}, {0: trace}, "")
+    [row] = soak.rows_of("shm", 22000, outcome)
+    assert (row["rss_kb_per_step"], row["pace_from_step"], row["rss_ratio"], row["pass"]) == (
+        "3.00", 2000, "1.19", "NO")
+    # Warm-up growth alone (here 70 MB by step 2,000, then flat) is not a pace.
+    warm = soak.WorkerTrace()
+    for s in (at_10, at_2000, soak.Sample(120, 771_000, 15, 22000)):
+        warm.add(s)
+    [row] = soak.rows_of("shm", 22000, soak.RunOutcome(0, 1.0, 22000, {}, {0: warm}, ""))
+    assert (row["rss_kb_per_step"], row["pass"]) == ("0.05", "yes")
 
 
 @pytest.mark.slow

@@ -194,6 +194,10 @@ def test_paired_refuses_what_it_cannot_compare():
     done = subprocess.run([sys.executable, "-m", "tfdist.benchmarks.paired", "--pairs=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--pairs must be >= 1" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "tfdist.benchmarks.paired", "--workload=tiny"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and ("Unknown --workload='tiny'. Valid: throughput, latency"
+                                     in done.stderr), done.stderr
 
 
 def test_paired_flips_the_order_and_counts_the_pairs_won():
@@ -214,11 +218,11 @@ def test_the_paired_benchmark_runs_both_contenders(tmp_path):
     contenders = "tcp,shm" if allreduce.mpi_missing() else "shm,mpi"
     a, b = contenders.split(",")
     command = [sys.executable, "-m", "tfdist.benchmarks.paired", f"--contenders={contenders}",
-               "--pairs=1", "--steps=5", f"--out_dir={tmp_path}"]
+               "--pairs=1", "--steps=5", "--workload=latency", f"--out_dir={tmp_path}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
     assert done.returncode == 0, done.stderr[-3000:]
-    columns, rows = read_csv(tmp_path / "paired.csv")
+    columns, rows = read_csv(tmp_path / "paired_latency.csv")   # the default workload's: paired.csv
     assert columns == ["pair", "order", a, b, f"{b}/{a}"]
     assert [row["pair"] for row in rows] == ["1", "median"]
     assert all(float(row[name]) > 0 for row in rows for name in (a, b, f"{b}/{a}"))

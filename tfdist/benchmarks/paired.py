@@ -1,7 +1,9 @@
 """Two multi-worker contenders of the throughput suite, in many alternating pairs.
 
     python -m tfdist.benchmarks.paired [--contenders shm,mpi] [--pairs 10] [--steps 300]
+        [--workload throughput|latency]
         -> a markdown table of every pair and its ratio; benchmarks/results/paired.{csv,md}
+           (--workload=latency: paired_latency.{csv,md})
 
 Why: the throughput suite's 3 trials per contender cannot tell two collectives apart
 when they differ by less than this shared 2-core machine's noise (5-20% between runs
@@ -10,9 +12,12 @@ in the next pair (so a machine that drifts slower hits both alike), and the repo
 gives each pair's ratio B/A, their median, and how many pairs B won. A gain of a few
 percent shows as most pairs above 1.0 even when single runs scatter more than that.
 
-Contenders are the throughput suite's workload (throughput.TRAIN_FLAGS: MLP
-784-1024-1024-10, global batch 512, SGD, one thread per process), 2 workers, with
-these collectives: tf (TensorFlow's own), tcp, shm, mpi (under `tfdist launch --mpi`).
+Contenders are one workload, 2 workers, one thread per process, with these
+collectives: tf (TensorFlow's own), tcp, shm, mpi (under `tfdist launch --mpi`).
+Workloads (WORKLOADS): `throughput`, the throughput suite's (throughput.TRAIN_FLAGS:
+MLP 784-1024-1024-10, global batch 512, SGD; 7.1 MiB of gradients, compute-bound),
+and `latency`, the soak suite's (MLP 784-100-50-10, global batch 64, Adam; 0.3 MiB of
+gradients, so a step is mostly the all-reduce's latency).
 """
 
 import argparse
@@ -26,15 +31,24 @@ from tfdist.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLLECTIVES = ("tf", "tcp", "shm", "mpi")
+# Flags on top of throughput.TRAIN_FLAGS (later flags win).
+WORKLOADS = {
+    "throughput": (),
+    "latency": ("--hidden_sizes=100,50", "--synthetic_shape=28,28,1", "--synthetic_examples=8192",
+                "--global_batch_size=64", "--optimizer=adam"),
+}
 
 
-def runner(name: str, steps: int, workers: int = 2) -> Callable[[], float]:
-    """() -> examples/s of the throughput workload on `workers` workers over `name`."""
+def runner(name: str, steps: int, workers: int = 2,
+           workload: str = "throughput") -> Callable[[], float]:
+    """() -> examples/s of `workload` on `workers` workers over the collective `name`."""
+    flags = list(WORKLOADS[workload])
     if name == "tf":
-        return lambda: throughput._tfdist_rate(workers, steps)
+        return lambda: throughput._tfdist_rate(workers, steps, flags)
     if name == "mpi":
-        return lambda: throughput._tfdist_rate(workers, steps, ["--collective=mpi"], ["--mpi"])
-    return lambda: throughput._tfdist_rate(workers, steps, [f"--collective={name}"])
+        return lambda: throughput._tfdist_rate(workers, steps, flags + ["--collective=mpi"],
+                                               ["--mpi"])
+    return lambda: throughput._tfdist_rate(workers, steps, flags + [f"--collective={name}"])
 
 
 def parse_contenders(text: str) -> Sequence[str]:
@@ -83,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contenders", default="shm,mpi", help="A,B: B/A is reported")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--workload", default="throughput",
+                        help=f"one of {', '.join(WORKLOADS)} (see the module's docstring)")
     parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
     try:
@@ -90,13 +106,18 @@ def main(argv=None) -> int:
         if args.pairs < 1 or args.steps < 2:
             raise UsageError(f"--pairs must be >= 1 and --steps >= 2; got --pairs={args.pairs} "
                              f"--steps={args.steps}.")
+        if args.workload not in WORKLOADS:
+            raise UsageError(f"Unknown --workload={args.workload!r}. Valid: "
+                             f"{', '.join(WORKLOADS)}.")
     except UsageError as error:
         print(f"tfdist: error: {error}", file=sys.stderr)
         return 2
-    rows = run_pairs({a: runner(a, args.steps), b: runner(b, args.steps)}, args.pairs)
+    rows = run_pairs({name: runner(name, args.steps, workload=args.workload) for name in (a, b)},
+                     args.pairs)
     rows.append(summary(rows, a, b))
     from tfdist.benchmarks import report
-    print(report.write_all(rows, args.out_dir, "paired"))
+    name = "paired" if args.workload == "throughput" else f"paired_{args.workload}"
+    print(report.write_all(rows, args.out_dir, name))
     return 0
 
 

@@ -31,8 +31,11 @@ FLAGS = ["--strategy=pipeline", "--pipeline_stages=2", "--microbatches=4", "--mo
          "--optimizer=adam", "--global_batch_size=32", "--seed=3", "--log_every=10"]
 
 
-def start_by_hand(tmp_path, *extra):
-    """Two workers with their TF_CONFIG, no launcher (so each one's own exit shows)."""
+def start_by_hand(tmp_path, *extra, command=None):
+    """Two workers with their TF_CONFIG, no launcher (so each one's own exit shows):
+    experiments.train with FLAGS and `extra`, or `command`."""
+    command = command or [sys.executable, "-m", "experiments.train", *FLAGS,
+                          "--train_steps=1000000", "--collective_timeout=10", *extra]
     ports = free_ports(2)
     workers, logs = [], []
     for index in range(2):
@@ -41,10 +44,8 @@ def start_by_hand(tmp_path, *extra):
         env = dict(os.environ, TF_CONFIG=tf_config, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONUNBUFFERED="1")
         logs.append(tmp_path / f"w{index}.log")
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.train", *FLAGS, "--train_steps=1000000",
-             "--collective_timeout=10", *extra], cwd=REPO, env=env,
-            stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
+        workers.append(subprocess.Popen(command, cwd=REPO, env=env,
+                                        stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
     return workers, logs
 
 
@@ -75,6 +76,28 @@ def test_a_lost_worker_ends_the_others_with_exit_3(victim, how, tmp_path):
         else:
             assert "made no progress for --collective_timeout=10 s" in said
         assert "Traceback" not in said
+    finally:
+        end_all(workers)
+
+
+@pytest.mark.parametrize("when,waiting_on", [
+    ("last_batch", "reading the trained weights from the stage workers"),
+    ("epoch_end", "setting the stage optimizers' learning rate")])
+def test_a_stage_worker_stopped_between_steps_ends_worker_0_within_the_timeout(
+        when, waiting_on, tmp_path):
+    """Worker 0 stops worker 1 itself, at an exact point outside the training steps, where
+    it next reads or writes a stage's variables (tests/workers/stop_stage_worker.py).
+    TensorFlow's remote reads have no deadline: unguarded, worker 0 waited there for good."""
+    workers, logs = start_by_hand(tmp_path, command=[
+        sys.executable, "tests/workers/stop_stage_worker.py", when, str(tmp_path)])
+    try:
+        wait_for_text(logs[0], "stopping worker 1", timeout=180)
+        stopped = time.monotonic()
+        assert workers[0].wait(timeout=60) == EXIT_CLUSTER_ERROR, logs[0].read_text()[-3000:]
+        assert time.monotonic() - stopped < 10 + 20   # the timeout, and the machine's slack
+        said = logs[0].read_text()
+        assert f"{waiting_on} made no progress for --collective_timeout=10 s" in said, said[-3000:]
+        assert "Traceback" not in said and "trained 3 epochs" not in said
     finally:
         end_all(workers)
 

@@ -331,24 +331,46 @@ class CrossWorkerPipeline(PipelineParallelism):
             timeout, f"worker 0 of {tf_config.num_workers} (the pipeline's driver)")
         self._ending = EXIT_CLUSTER_ERROR   # until finish() or a preemption says otherwise
         self._told = False
-        tell_workers(tf_config, "")   # no word yet (a previous run's in this process said 0)
+        with self.watchdog.guard("clearing the stage workers' exit status"):
+            tell_workers(tf_config, "")   # no word yet (a previous run's in this process said 0)
 
     def guard(self, what: str):
         return self.watchdog.guard(what)
+
+    # Everything below that reads or writes a stage's variables waits on the worker that
+    # holds them, and TensorFlow's remote reads have no deadline of their own: a stage
+    # worker stopped (SIGSTOP, a hung host) at an epoch's end left worker 0 waiting in
+    # sync_to_user_model for good, its watchdog idle (seen in 1 of 24 runs of the
+    # stopped-worker test). So each is guarded, like the steps.
+
+    def adopt(self, model):
+        with self.watchdog.guard("placing the model's stages on the stage workers"):
+            return super().adopt(model)
+
+    def sync_hyperparameters(self, optimizer) -> None:
+        with self.watchdog.guard("setting the stage optimizers' learning rate"):
+            super().sync_hyperparameters(optimizer)
+
+    def sync_to_user_model(self, model, trained_model) -> None:
+        with self.watchdog.guard("reading the trained weights from the stage workers"):
+            super().sync_to_user_model(model, trained_model)
 
     def checkpoint_objects(self, model, optimizer):
         """Copies on worker 0's host of what the pipeline saves (checkpoint.HostCopy says why)."""
         from tfdist.parallel.pipeline import checkpoint as pipeline_checkpoint
         host = f"/job:worker/replica:0/task:{self.tf_config.task_index}/device:CPU:0"
-        self._host_copy = pipeline_checkpoint.HostCopy(self.replicas, host)
+        with self.watchdog.guard("copying the stages' variables for checkpoints"):
+            self._host_copy = pipeline_checkpoint.HostCopy(self.replicas, host)
         return self._host_copy.objects()
 
     def saving(self) -> None:
-        self._host_copy.take()
+        with self.watchdog.guard("reading every stage for a checkpoint"):
+            self._host_copy.take()
 
     def restored(self) -> None:
-        self._host_copy.give()
-        super().restored()
+        with self.watchdog.guard("giving the stage workers the restored checkpoint"):
+            self._host_copy.give()
+            super().restored()
 
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
                         on_outputs=None):
@@ -359,9 +381,9 @@ class CrossWorkerPipeline(PipelineParallelism):
         return self._guarded(super().make_eval_step(model, on_outputs), "an eval step")
 
     def _guarded(self, step, what: str):
-        def guarded(iterator):
+        def guarded(inputs):
             with self.watchdog.guard(what):
-                return step(iterator)
+                return step(inputs)
         return guarded
 
     def any_process(self, flag: bool) -> bool:

@@ -34,8 +34,8 @@ DTENSOR = suite_guard.Process(
 # in a one-stream run); these files use the other. They are equivalence runs, notebooks,
 # data and the planner: none waits on a timeout, starts Slurm or a runner of its own, so
 # sharing the cores changes no verdict. The fault tests (watchdogs, collective timeouts)
-# stay in the main process, which this one yields to (nice 5; the DTensor process, nice
-# 10, yields to both). Its one earlier failure, unnamed in that run's output, was most
+# stay in the main process, which this one and the DTensor process yield to (nice 19,
+# suite_guard's docstring). Its one earlier failure, unnamed in that run's output, was most
 # likely test_plan's allocator test, which failed on this AVX2-only machine in any process
 # until 83ca1af.
 SECOND_STREAM_FILES = tuple(f"tests/{name}.py" for name in (
@@ -45,15 +45,17 @@ SECOND_STREAM_FILES = tuple(f"tests/{name}.py" for name in (
     "test_mpi", "test_data_sources", "test_one_process_modes"))
 SECOND_STREAM_PROCESS = "TFDIST_SECOND_STREAM"
 SECOND_STREAM = suite_guard.Process(
-    env_var=SECOND_STREAM_PROCESS, runner="tests/test_second_stream.py", nice=5,
+    env_var=SECOND_STREAM_PROCESS, runner="tests/test_second_stream.py",
     files=SECOND_STREAM_FILES, main_without_runner=True)
 
 
 # Tests whose verdicts depend on time (a dead or stopped peer must end the others within
-# --collective_timeout, start-up deadlines, Slurm jobs, restarts) run last in the main
-# process, once the processes above have ended, alone on the cores as in a one-stream
-# suite: sharing them, a 2-worker run took over 90 s to reach step 100 and a fault test failed.
-ALONE_FILES = tuple(f"tests/{name}.py" for name in (
+# --collective_timeout, start-up deadlines, Slurm jobs, restarts) run last of the main
+# process's own tests, at nice 0, beside the two processes above at nice 19, which then get
+# little more than the cores these tests leave idle. Sharing the cores at nice 5 and 10, a
+# 2-worker run once took over 90 s to reach step 100 and a fault test failed; run after the
+# other processes had ended, these files kept a core idle for 12 of the suite's 34 minutes.
+TIME_SENSITIVE_FILES = tuple(f"tests/{name}.py" for name in (
     "test_mpi_errors", "test_mpi_faults", "test_multi_worker_failures",
     "test_pipeline_cross_worker_faults", "test_restart", "test_fault_tolerance", "test_launch",
     "test_slurm", "test_slurm_mpi", "test_benchmark_suites", "test_model_dir_lock",
@@ -61,7 +63,8 @@ ALONE_FILES = tuple(f"tests/{name}.py" for name in (
 
 
 def pytest_configure(config):
-    suite_guard.install(config, [DTENSOR, SECOND_STREAM], alone_files=ALONE_FILES)
+    suite_guard.install(config, [DTENSOR, SECOND_STREAM],
+                        time_sensitive_files=TIME_SENSITIVE_FILES)
     from tfdist import devices
     devices.simulate_cpus(SIMULATED_CPUS)
     import tensorflow as tf

@@ -22,8 +22,14 @@ collected, at its `nice` level, and its runner test waits for it. Most of the
 main suite keeps one of this machine's two cores busy (a test's single training
 process, or `import tensorflow` in a launch), so such a process runs in the
 other core's idle time instead of after everything else (the DTensor process
-alone took 7 of the suite's 42 minutes in CI); niced, it yields the core to the
-main process's timing-sensitive tests (collective timeouts, watchdogs).
+alone took 7 of the suite's 42 minutes in CI).
+
+Order in the main process: its own tests, then the time-sensitive files
+(install's `time_sensitive_files`: collective timeouts, watchdogs, restarts),
+then the runners. The processes started early run at nice 19 (CFS weight 15
+against 1024 at nice 0), so beside a time-sensitive test they take about 1.5%
+of a contended core each, and the cores the test leaves idle (a SIGSTOPped
+peer, a --collective_timeout being waited out) go to them instead of to nobody.
 """
 
 import dataclasses
@@ -61,14 +67,14 @@ class Process:
     runner: str                       # the main-process test that starts it
     files: Tuple[str, ...] = ()       # every test in these files (rootdir-relative) runs there
     marker: Optional[str] = None      # ... and every test with this marker
-    nice: int = 10                    # started early at this niceness (see the docstring)
+    nice: int = 19                    # started early at this niceness (see the docstring)
     main_without_runner: bool = False  # its tests may run in the main process instead
 
 
 @dataclasses.dataclass
 class _State:
     processes: Tuple[Process, ...]
-    alone_files: Tuple[str, ...] = ()
+    time_sensitive_files: Tuple[str, ...] = ()
     here: Optional[str] = None                                   # env var of this process
     elsewhere: Dict[str, str] = dataclasses.field(default_factory=dict)  # node id -> env var
     passed_in: Dict[str, Set[str]] = dataclasses.field(default_factory=dict)
@@ -89,11 +95,12 @@ class _Started:
 _state: Optional[_State] = None  # one per pytest process, like the plugin itself
 
 
-def install(config, processes: Sequence[Process], alone_files: Sequence[str] = ()) -> None:
-    """Called from a conftest's pytest_configure. `alone_files` (rootdir-relative) run in the
-    main process after the runners, when the processes started early have ended."""
+def install(config, processes: Sequence[Process],
+            time_sensitive_files: Sequence[str] = ()) -> None:
+    """Called from a conftest's pytest_configure. `time_sensitive_files` (rootdir-relative)
+    run in the main process after its other tests and before the runners (module docstring)."""
     global _state
-    _state = _State(tuple(processes), alone_files=tuple(alone_files))
+    _state = _State(tuple(processes), time_sensitive_files=tuple(time_sensitive_files))
     config.addinivalue_line(
         "markers", f"{OWN_PROCESS_MARKER}(env_var): runs only in the pytest process a runner "
                    "test starts with env_var=1 (tests/suite_guard.py)")
@@ -160,13 +167,12 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = keep
     if _state.here is None and not config.option.collectonly:
         _start_early(config, selected_files)
-        # Their runners wait for them, so they go last but for the alone files: the main
-        # process keeps testing meanwhile, and the tests whose verdicts depend on time
-        # (watchdogs, collective timeouts) run once nothing else shares the cores.
+        # Their runners wait for them, so they go last: the main process keeps testing
+        # meanwhile, the time-sensitive files last of its own, beside processes niced to 19.
         runners = {p.runner for p in _state.processes if p.env_var in _state.started}
         def phase(item):
             path = item.nodeid.split("::")[0]
-            return 2 if path in _state.alone_files else 1 if path in runners else 0
+            return 2 if path in runners else 1 if path in _state.time_sensitive_files else 0
         items.sort(key=phase)   # stable: each phase keeps its order
 
 

@@ -9,14 +9,21 @@ too (`tf.config.experimental.get_memory_info`), so this runs here; the error is
 Only some CPU allocators keep those statistics: oneDNN's (TensorFlow's default
 where oneDNN is on, on AVX512 CPUs) and the BFC allocator that
 TF_CPU_ALLOCATOR_USE_BFC=true selects. TensorFlow's plain CPU allocator, the
-default on an AVX2-only CPU, keeps none, so the measurement asks for BFC before
-TensorFlow creates its devices, and says how to get it if they already exist.
+default on an AVX2-only CPU, keeps none. The measurement prefers the default
+allocator where it keeps them, since it counts the bytes asked for; BFC counts
+whole chunks, and hands out a free chunk up to twice the request without
+splitting it, so its peak moves with the allocation history (on one AVX512
+machine the mlp's BFC peak ranged 8.5-17.6 MB from process to process, its
+oneDNN peak 12.5-13.6 MB). A probe process finds out which it is before
+TensorFlow creates its devices here; if they already exist, it says how to start.
 
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
 
 import os
 import shlex
+import subprocess
+import sys
 from typing import Dict, List
 
 from tfdist import config as cfg
@@ -37,11 +44,27 @@ CONFIGS = (  # `tfdist plan` flags: one per registry model, big enough to dwarf 
 
 MEASURED_STEPS = 5
 ALLOCATOR_STATS_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # read once, when TensorFlow creates its devices
+PROBE_TIMEOUT_S = 120  # one `import tensorflow` and one op; a few seconds on an idle machine
+
+
+def default_allocator_keeps_stats() -> bool:
+    """Whether TensorFlow's default CPU allocator keeps peak statistics here (a fresh process)."""
+    probe = "import tensorflow as tf; tf.config.experimental.get_memory_info('CPU:0')"
+    env = {**os.environ, ALLOCATOR_STATS_ENV: "false"}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            timeout=PROBE_TIMEOUT_S)
+    return result.returncode == 0
+
+
+def allocator_name() -> str:
+    """Which allocator measures in this process: 'bfc' or the platform's 'default'."""
+    return "bfc" if os.environ.get(ALLOCATOR_STATS_ENV, "").lower() in ("true", "1") else "default"
 
 
 def require_allocator_stats(device: str = "CPU:0") -> None:
     """Makes `device`'s allocator keep peak statistics, or raises saying how to."""
-    os.environ.setdefault(ALLOCATOR_STATS_ENV, "true")  # in time only if no device exists yet
+    if ALLOCATOR_STATS_ENV not in os.environ:  # in time only if no device exists yet
+        os.environ[ALLOCATOR_STATS_ENV] = "false" if default_allocator_keeps_stats() else "true"
     import tensorflow as tf
     try:
         tf.config.experimental.get_memory_info(device)
@@ -85,7 +108,8 @@ def compare(plan_flags: List[str]) -> Dict:
                            global_batch_size=args.global_batch_size, train_steps=3)
     measured = measured_transient_bytes(config)
     predicted = estimate.gradients + estimate.activations
-    return {"config": shlex.join(plan_flags), "gradients": estimate.gradients,
+    return {"config": shlex.join(plan_flags), "allocator": allocator_name(),
+            "gradients": estimate.gradients,
             "activations": estimate.activations, "estimate": predicted, "measured": measured,
             "error": round((predicted - measured) / measured, 3)}
 

@@ -5,7 +5,7 @@
 
 For each collective choice, one `tfdist launch --workers 2 -- python -m
 experiments.train --strategy=multi_worker_mirrored --model=mlp --dataset=synthetic
---collective=C --model_dir=... --checkpoint_every=...` job, as a long real job runs
+--collective=C --model_dir=... --checkpoint_every=... --eval_every=100` job, as a long real job runs
 (for mpi, `tfdist launch --mpi`: Open MPI's mpirun starts the ranks). The choice
 "pipeline" runs `--strategy=pipeline --pipeline_stages=2 --microbatches=4` instead: a
 stage in each worker process. Each worker
@@ -60,8 +60,15 @@ MIN_STEPS_FOR_GROWTH = 5000   # sampled after warm-up; shorter runs are reported
 # The chief's progress line, as the launcher prefixes it: "[worker 0] tfdist 12:00:00 step 7/500 ..."
 STEP_LINE = re.compile(r"\[worker 0\] .*?\bstep (\d+)/(\d+)\b")
 FAILURE_LINE = re.compile(r"worker (\d+) (exited with code -?\d+|was killed by \w+ \(\d+\))")
+# With a validation every EVAL_EVERY steps (synthetic's test split: 16 batches of 64), as a
+# job would validate. Evaluation grew each of 2 workers by 41 KB at 4 eval batches and 120 KB
+# at 40 (TensorFlow all-reduces per eval batch, the dataset distributed anew each time), so
+# about 70 KB here, 0.7 KB a step at this pace; a soak without evaluations never saw it.
+# After the fixes, 28 KB an evaluation of 40 batches is left (README, Soak).
+EVAL_EVERY = 100
 TRAIN_FLAGS = ("--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic",
-               "--optimizer=adam", "--global_batch_size=64", "--seed=0")
+               "--optimizer=adam", "--global_batch_size=64", "--seed=0",
+               f"--eval_every={EVAL_EVERY}")
 # Every 10 steps, as a job would log (each log line also writes TensorBoard scalars):
 # the first sample lands within a few steps of the first; its step is in the row.
 LOG_EVERY = 10

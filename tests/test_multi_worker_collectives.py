@@ -1,16 +1,16 @@
-"""Under tfdist's own collectives (shm, and tcp whose ring shm's agreements use; mpi)
-no training or eval step of multi_worker_mirrored traces a TensorFlow collective.
+"""Under tfdist's own collectives (shm and mpi here; tcp shares shm's ring for the eval
+loss) no training or eval step of multi_worker_mirrored traces a TensorFlow collective.
 
 Why it matters: TensorFlow's collective all-reduce goes over gRPC whatever
 --collective says, and leaks memory per call (tensorflow#42616). Two had crept in:
 the eval step's loss was summed by strategy.reduce, and tf.distribute adds an
 all-reduce to every get_next of a finite dataset in multi-worker mode (its
 partial-batch handling), which the evaluation's padded split was (its dataset now
-says it is endless: EvalData.iterator). With a new distributed dataset per evaluation,
-2 workers grew 120 KB an epoch of a user's fit with 40 validation batches (README,
-Soak). The traced graphs
-are read in 2 real worker processes (tests/workers/step_collectives.py); under
---collective=auto the same check finds TensorFlow's collectives, so it can see them.
+says it is endless: EvalData.iterator). With the dataset also distributed anew per
+evaluation, 2 workers grew 120 KB an epoch of a user's fit with 40 validation batches
+(README, Soak). The traced graphs are read in 2 real worker processes
+(tests/workers/step_collectives.py); under --collective=auto the same check finds
+TensorFlow's collectives, so it can see them.
 """
 
 import json

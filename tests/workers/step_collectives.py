@@ -3,9 +3,10 @@ multi_worker_mirrored trace, for one --collective.
 
     python tests/workers/step_collectives.py COLLECTIVE OUT_DIR
 
-Each worker builds the mode, a small regression model, its train and eval steps over
-tfdist's input pipeline and the loop's iterators for a user's arrays, runs each once (so it is traced) and writes OUT_DIR/ops.rankR.json: for "train" and "eval",
-the sorted op types starting with "Collective" in the traced graph and the functions it
+Each worker builds the mode, a small regression model, and its train and eval steps
+over tfdist's input pipeline and the loop's iterators for a user's arrays; runs each
+once (so it is traced) and writes OUT_DIR/ops.rankR.json: for "train" and "eval", the
+sorted op types starting with "Collective" in the traced graph and the functions it
 calls, and the step's returned loss.
 """
 

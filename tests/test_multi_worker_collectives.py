@@ -6,7 +6,7 @@ Why it matters: TensorFlow's collective all-reduce goes over gRPC whatever
 the eval step's loss was summed by strategy.reduce, and tf.distribute adds an
 all-reduce to every get_next of a finite dataset in multi-worker mode (its
 partial-batch handling), which the evaluation's padded split was (its dataset now
-says it is endless: EvalData.iterator). With the dataset also distributed anew per
+is repeated without end: EvalData.batches). With the dataset also distributed anew per
 evaluation, 2 workers grew 120 KB an epoch of a user's fit with 40 validation batches
 (README, Soak). The traced graphs are read in 2 real worker processes
 (tests/workers/step_collectives.py); under --collective=auto the same check finds

@@ -93,8 +93,7 @@ def test_the_last_training_iterator_outlives_the_run_and_only_one_is_kept():
     not one per run)."""
     from tfdist.train import loop
     runner.run(small_config())
-    first = list(loop._LAST_TRAIN_ITERATOR)
-    assert len(first) == 1 and first[0] is not None
-    next(iter(first[0]))   # still a live iterator: it yields a batch
+    first = loop._LAST_ITERATORS["train"]
+    next(iter(first))   # still a live iterator: it yields a batch
     runner.run(small_config())
-    assert len(loop._LAST_TRAIN_ITERATOR) == 1 and loop._LAST_TRAIN_ITERATOR[0] is not first[0]
+    assert loop._LAST_ITERATORS["train"] is not first

@@ -60,7 +60,7 @@ def main(collective: str, out_dir: str) -> None:
     iterators = {   # as the training loop makes them
         "train": lambda: iter(parallel.distribute(
             pipeline.train_dataset_fn(source, GLOBAL_BATCH, 1, DataConfig()))),
-        "eval": lambda: evaluation.iterator(parallel)}
+        "eval": lambda: evaluation.batches(parallel)}
     host_metrics.build_metrics(model, next(iter(source.examples("train").batch(1))))
     metrics = host_metrics.HostMetrics(model, parallel)   # as the training loop updates them
     steps = {"train": parallel.make_train_step(model, optimizer, GLOBAL_BATCH, False,

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -22,13 +22,14 @@ from tfdist.train import checkpoint, preemption
 from tfdist.train.metrics import HostMetrics
 from tfdist.train.progress import Progress
 
-# The last training iterator of this process; see keep_last_iterator.
-_LAST_TRAIN_ITERATOR: List[object] = []
+# The last training iterator and the last evaluation iterator of this process; see
+# keep_last_iterator.
+_LAST_ITERATORS: Dict[str, object] = {}
 
 
-def keep_last_iterator(iterator) -> None:
-    """Keeps this run's training iterator alive (replacing the previous run's) instead of
-    destroying it as the run returns.
+def keep_last_iterator(iterator, role: str = "train") -> None:
+    """Keeps this process's newest iterator of `role` ("train" or "eval") alive, replacing
+    the previous one, instead of destroying it as the run returns.
 
     Why: destroying a tf.data iterator now and then blocks for seconds, holding the GIL.
     On TF 2.21 its destructor waits for the iterator's autotune thread
@@ -40,9 +41,9 @@ def keep_last_iterator(iterator) -> None:
     iterator takes the stall off the job's end: it had delayed every rank's exit by
     ~10 s in about 1 run of 3 (shm and mpi alike, measured). Kept from its creation on,
     so a run that ends by an exception (a preemption's exit 4 included) skips the wait
-    too. Bounded: one per process.
+    too. Bounded: one of each role per process.
     """
-    _LAST_TRAIN_ITERATOR[:] = [iterator]
+    _LAST_ITERATORS[role] = iterator
 
 
 @dataclasses.dataclass
@@ -66,30 +67,34 @@ class EvalData:
     steps: int
     size: int                           # real examples (the rest of the last batch is padding)
 
-    _distributed: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    _batches: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
-    def iterator(self, parallel) -> Iterator:
-        """A new iterator over the split's `steps` batches, distributed by `parallel`.
+    def batches(self, parallel) -> Iterator:
+        """The iterator every evaluation in `parallel` takes exactly `steps` batches from:
+        one per mode, over the split repeated without end, so each evaluation reads one
+        whole pass (the same batches, in the same order, as a fresh iterator would).
 
-        Two things here were measured on 2 workers (README, Soak):
-        - The dataset is distributed once per mode and kept; each evaluation makes a new
-          iterator over it. Distributing it again for every evaluation (every epoch's
-          validation) grew each worker by about 30 KB an evaluation of 2,560 examples.
-        - The dataset says its cardinality is infinite, which it is not: an evaluation
-          takes exactly `steps` batches and never reads past them. In multi-worker mode
-          tf.distribute gives a finite dataset's iterator partial-batch handling, a
-          TensorFlow all-reduce in every get_next, which runs over gRPC whatever
-          --collective says and leaks in TensorFlow (tensorflow#42616). The padding makes
-          every batch full, so there is no partial batch to handle. A prefetch that reaches
-          the real end may log TensorFlow's warning "Local rendezvous is aborting with status:
-          FAILED_PRECONDITION: Input dataset was expected to contain an infinite number of
-          elements" (18 times in 802 evaluations here); nothing reads that far. A truly
-          endless dataset would not, but its iterator's destructor hung a worker for 80 s."""
-        if self._distributed is None or self._distributed[0] is not parallel:
-            endless = tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
-            self._distributed = (parallel, parallel.distribute(
-                lambda context: self.dataset_fn(context).apply(endless)))
-        return iter(self._distributed[1])
+        Why one iterator, not one per evaluation: under tf.distribute (mirrored,
+        multi_worker_mirrored) every new iterator builds a MultiDeviceIterator, and
+        TensorFlow keeps about 13-21 KB of native memory from each for good (a pure-TF
+        loop making iterators over one distributed dataset, measured; Python's share
+        under 1 KB). One per evaluation grew every 2-worker job 32 KB an evaluation
+        (README, Soak). Why endless: in multi-worker mode tf.distribute gives a finite
+        dataset's iterator partial-batch handling, a TensorFlow all-reduce in every
+        get_next, which runs over gRPC whatever --collective says and leaks in TensorFlow
+        (tensorflow#42616); the padding makes every batch full, so repeating the split
+        loses nothing. An evaluation that stops part-way must call `forget` (the next
+        one would start mid-pass). The iterator is kept past the run (keep_last_iterator):
+        its destructor can stall like the training iterator's."""
+        if self._batches is None or self._batches[0] is not parallel:
+            iterator = iter(parallel.distribute(lambda context: self.dataset_fn(context).repeat()))
+            keep_last_iterator(iterator, role="eval")
+            self._batches = (parallel, iterator)
+        return self._batches[1]
+
+    def forget(self) -> None:
+        """Drops the iterator: the next evaluation starts a fresh pass."""
+        self._batches = None
 
 
 @dataclasses.dataclass
@@ -160,16 +165,20 @@ class TrainingLoop:
 
     def evaluate(self, data: EvalData, callbacks=None):
         """(mean loss over the split's examples, metric logs): every example once."""
-        iterator = data.iterator(self.parallel)
+        iterator = data.batches(self.parallel)
         self.metrics.reset()
         total = 0.0
-        for batch in range(data.steps):
-            if callbacks is not None:
-                callbacks.on_test_batch_begin(batch)
-            loss = float(self.eval_step(iterator))
-            total += loss
-            if callbacks is not None:
-                callbacks.on_test_batch_end(batch, {"loss": total / (batch + 1)})
+        try:
+            for batch in range(data.steps):
+                if callbacks is not None:
+                    callbacks.on_test_batch_begin(batch)
+                loss = float(self.eval_step(iterator))
+                total += loss
+                if callbacks is not None:
+                    callbacks.on_test_batch_end(batch, {"loss": total / (batch + 1)})
+        except BaseException:
+            data.forget()   # part of a pass was read: the next evaluation starts afresh
+            raise
         # Each step's loss is its padded global batch's mean; padding weighs 0.
         logs = {"loss": total * self.config.global_batch_size / max(data.size, 1)}
         logs.update({k: v for k, v in self.metrics.logs().items() if k != "loss"})
@@ -207,7 +216,7 @@ class TrainingLoop:
         batch_hooks = any(implements_batch_hooks(c) for c in callbacks.callbacks)
         wants_batch_logs = self.parallel.any_process(batch_hooks)
         iterator = iter(self.parallel.distribute(plan.train_dataset_fn(start_step)))
-        keep_last_iterator(iterator)
+        keep_last_iterator(iterator, role="train")
         progress = Progress(plan.total_steps, config.global_batch_size, config.log_every,
                             enabled=self.parallel.is_chief and plan.progress)
         losses, epoch_logs, eval_logs = [], {}, {}

@@ -12,7 +12,8 @@ worker that holds it) within 1e-5 relative of one device:
 - 2 workers x 2 local devices: 2 stages x 2 in-node replicas (the hybrid).
 The whole product (132 configs, about 15 min) is outside the suite, in
 tests/pipeline_full_product.py: python -m pytest tests/pipeline_full_product.py.
-param_bytes_per_device names each stage's device with its task. Bad input: stages
+param_bytes_per_device names each stage's device with its task; both steps return their
+loss on worker 0 (schedule.summed_on). Bad input: stages
 that do not divide the workers, workers with different numbers of devices.
 """
 
@@ -115,6 +116,10 @@ def check_run(out_dir, name, config, workers, devices_per_worker):
         assert not mismatches, mismatches
     tasks = {device.split("/device:")[0] for device in record["param_bytes_per_device"]}
     assert tasks == {f"/job:worker/replica:0/task:{t}" for t in range(workers)}, tasks
+    # On worker 0, not on the last stage's worker, which keeps ~3 KB of every result it
+    # holds (schedule.summed_on); with one loss the sum was that worker's own tensor.
+    assert record["loss_devices"] == {kind: "/job:worker/replica:0/task:0/device:CPU:0"
+                                      for kind in ("train", "eval")}, record["loss_devices"]
 
 
 @pytest.mark.parametrize("workers,devices_per_worker,configs", [

@@ -5,7 +5,8 @@
 
 Worker 0 drives every config (as tfdist.run does, keeping the mode object), the other
 workers serve their stages until worker 0 ends. For each config NAME worker 0 writes
-OUT_DIR/NAME.json (per-step losses, param_bytes_per_device, the stage devices) and,
+OUT_DIR/NAME.json (per-step losses, param_bytes_per_device, the stage devices, where the
+train and eval steps returned their loss) and,
 for every replica r and stage k, OUT_DIR/NAME.r{r}.s{k}.npz with that stage's
 variables as read from the worker that holds them, plus their paths in the json.
 """
@@ -24,10 +25,29 @@ from tfdist import data, parallel as parallel_lib  # noqa: E402
 from tfdist.train import runner  # noqa: E402
 
 
+def recording_loss_devices(parallel, devices: dict) -> None:
+    """The mode's train and eval steps, each recording in `devices` where the first loss it
+    returned lives (the runtime's placement, read from the real result)."""
+    for kind in ("train", "eval"):
+        make = getattr(parallel, f"make_{kind}_step")
+
+        def make_recording(*args, _make=make, _kind=kind, **kwargs):
+            step = _make(*args, **kwargs)
+
+            def recorded(iterator):
+                loss = step(iterator)
+                devices.setdefault(_kind, loss.device)
+                return loss
+            return recorded
+        setattr(parallel, f"make_{kind}_step", make_recording)
+
+
 def train(config):
     import keras
     keras.mixed_precision.set_dtype_policy("float32")
     parallel = parallel_lib.build_parallelism(config)   # a serving worker never returns
+    parallel.loss_devices = {}
+    recording_loss_devices(parallel, parallel.loss_devices)
     parallel.validate_global_batch(config.global_batch_size)
     source = data.get_source(config.data)
     model, optimizer = runner.build_model_and_optimizer(config, parallel, source.info)
@@ -55,7 +75,7 @@ def main(configs_json: str, out_dir: str) -> None:
                                                 "paths": [v.path for v in stage.variables]}
         record = {"losses": losses, "stages": stages, "paths": [v.path for v in model.weights],
                   "param_bytes_per_device": parallel.param_bytes_per_device(model, optimizer),
-                  "num_replicas": parallel.num_replicas}
+                  "num_replicas": parallel.num_replicas, "loss_devices": parallel.loss_devices}
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(record, f)
 

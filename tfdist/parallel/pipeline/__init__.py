@@ -32,6 +32,10 @@ log = logging.getLogger("tfdist")
 
 class PipelineParallelism(Parallelism):
     name = "pipeline"
+    # The driving process's CPU, where a step's returned loss is summed (None: wherever
+    # TensorFlow places it: in one process every device is local). CrossWorkerPipeline
+    # sets it (schedule.summed_on says why).
+    host_device = None
 
     def __init__(self, device_names: List[str], num_stages: int, microbatches: int,
                  split=None, schedule_name: str = "gpipe", virtual_stages: int = 1):
@@ -160,11 +164,11 @@ class PipelineParallelism(Parallelism):
         return schedule.make_train_step(
             self.replicas, self.microbatches, loss_fn, self.schedule, on_outputs,
             clip=None if clip is None else lambda grads: clipping.clip_like_keras(grads, clip),
-            virtual_stages=self.virtual_stages)
+            virtual_stages=self.virtual_stages, loss_device=self.host_device)
 
     def make_eval_step(self, model, on_outputs=None):
         return schedule.make_eval_step(self.replicas, self._share_of_loss(self.num_replicas),
-                                       on_outputs)
+                                       on_outputs, loss_device=self.host_device)
 
     def _share_of_loss(self, parts: int):
         """loss_fn(y, y_pred, w): one of `parts` equal pieces of the global batch's loss.

@@ -327,6 +327,9 @@ class CrossWorkerPipeline(PipelineParallelism):
         super().__init__(device_names, num_stages, microbatches, split, schedule_name,
                          virtual_stages)
         self.tf_config = tf_config
+        # Worker 0's CPU: the steps return their loss here, not on a stage worker
+        # (schedule.summed_on says why), and checkpoints copy the stages here
+        self.host_device = f"/job:worker/replica:0/task:{tf_config.task_index}/device:CPU:0"
         self.watchdog = watchdog.for_process(
             timeout, f"worker 0 of {tf_config.num_workers} (the pipeline's driver)")
         self._ending = EXIT_CLUSTER_ERROR   # until finish() or a preemption says otherwise
@@ -358,9 +361,8 @@ class CrossWorkerPipeline(PipelineParallelism):
     def checkpoint_objects(self, model, optimizer):
         """Copies on worker 0's host of what the pipeline saves (checkpoint.HostCopy says why)."""
         from tfdist.parallel.pipeline import checkpoint as pipeline_checkpoint
-        host = f"/job:worker/replica:0/task:{self.tf_config.task_index}/device:CPU:0"
         with self.watchdog.guard("copying the stages' variables for checkpoints"):
-            self._host_copy = pipeline_checkpoint.HostCopy(self.replicas, host)
+            self._host_copy = pipeline_checkpoint.HostCopy(self.replicas, self.host_device)
         return self._host_copy.objects()
 
     def saving(self) -> None:

@@ -289,7 +289,7 @@ class MultiWorkerParallelism(StrategyParallelism):
                 return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(mine), axis=None)
 
             self._first_sum_fn = total
-        return self._first_sum_fn(tf.constant(value, tf.float32)).numpy()
+        return self._first_sum_fn(tf.constant(np.asarray(value, np.float32))).numpy()
 
     def _sum_unguarded(self, value) -> np.ndarray:
         if self.summer is not None:
@@ -304,7 +304,7 @@ class MultiWorkerParallelism(StrategyParallelism):
                 return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
             self._sum_fn = total
-        return self._sum_fn(tf.constant(value, tf.float32)).numpy()
+        return self._sum_fn(tf.constant(np.asarray(value, np.float32))).numpy()
 
     def close(self) -> None:
         if isinstance(self.reducer, (shm_ring.SharedMemoryAllReduce, mpi.MpiAllReduce)):

@@ -26,6 +26,7 @@ import os
 import shutil
 from typing import Dict, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UsageError
@@ -155,7 +156,7 @@ class Checkpointer:
         return 0
 
     def save(self, step: int) -> None:
-        self.step.assign(step)
+        self.step.assign(np.int64(step))   # not a Python int: loop.write_scalars says why
         os.makedirs(self.write_dir, exist_ok=True)
         name = f"ckpt-{step}"
         self.checkpoint.write(os.path.join(self.write_dir, name))

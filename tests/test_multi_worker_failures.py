@@ -237,3 +237,37 @@ def test_sigterm_to_one_worker_stops_every_worker_at_the_same_step(tmp_path):
     saved = [line.split("saved a checkpoint at step ")[1].split()[0]
              for line in log_path.read_text().splitlines() if "saved a checkpoint at step" in line]
     assert len(saved) == 2 and saved[0] == saved[1], saved   # both workers, one step
+
+
+def ring_closed():
+    from tfdist.parallel.tcp_ring import TcpRingError
+    return TcpRingError("worker 1 (127.0.0.1:48666) closed its connection (it stopped or died)")
+
+
+def heartbeat_lost():
+    import tensorflow as tf
+    return tf.errors.UnavailableError(None, None, "Task /job:worker/replica:0/task:1 heartbeat "
+                                                  "timed out")
+
+
+@pytest.mark.parametrize("make_error", [ring_closed, heartbeat_lost])
+def test_a_peer_lost_in_a_host_side_agreement_is_a_cluster_error(make_error):
+    """The metrics' sums at an epoch's end and the preemption check run tfdist's ring in
+    plain Python, outside a step, so a peer that dies there raises the ring's own error,
+    not a TensorFlow one: the suite saw a survivor end with exit 1 and a traceback
+    (test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error[shm], the kill landing
+    at an epoch's end). Both kinds must come out as the ClusterError (exit 3); a full
+    /dev/shm stays what it is."""
+    import types
+    from tfdist.errors import ClusterError
+    from tfdist.parallel import multi_worker, shm_ring
+    worker = types.SimpleNamespace(tf_config=types.SimpleNamespace(rank=0, num_workers=2))
+    worker._peer_failure = types.MethodType(multi_worker.MultiWorkerParallelism._peer_failure,
+                                            worker)
+    translate = multi_worker.MultiWorkerParallelism.translate_failures
+    with pytest.raises(ClusterError, match=r"worker 0 of 2: a peer died or stopped answering"):
+        with translate(worker):
+            raise make_error()
+    with pytest.raises(shm_ring.SharedMemoryUnavailable):
+        with translate(worker):
+            raise shm_ring.SharedMemoryUnavailable("/dev/shm is full")

@@ -323,18 +323,26 @@ class MultiWorkerParallelism(StrategyParallelism):
     @contextlib.contextmanager
     def translate_failures(self):
         """A dead or stuck peer surfaces as one of these TF errors in the next
-        collective (heartbeat loss, or --collective_timeout): say so plainly."""
+        collective (heartbeat loss, or --collective_timeout), or, in an agreement summed
+        on the host outside a step (the metrics' sums at an epoch's end, the preemption
+        check), as tfdist's ring error itself: say so plainly."""
         try:
             yield
         except (*PEER_FAILURES, tf.errors.UnknownError) as error:
             if isinstance(error, tf.errors.UnknownError) and "TcpRingError" not in error.message:
                 raise
-            summary = peer_failure_summary(error.message)
-            raise ClusterError(
-                f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: a peer died or "
-                f"stopped answering during training ({type(error).__name__}: {summary}). "
-                f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts "
-                f"the group.") from None
+            raise self._peer_failure(type(error).__name__,
+                                     peer_failure_summary(error.message)) from None
+        except tcp_ring.TcpRingError as error:
+            if isinstance(error, shm_ring.SharedMemoryUnavailable):   # a usage error, set-up time
+                raise
+            raise self._peer_failure(type(error).__name__, str(error)[:400]) from None
+
+    def _peer_failure(self, kind: str, summary: str) -> ClusterError:
+        return ClusterError(
+            f"worker {self.tf_config.rank} of {self.tf_config.num_workers}: a peer died or "
+            f"stopped answering during training ({kind}: {summary}). Check the other "
+            f"workers' logs; `tfdist launch --max_restarts R` restarts the group.")
 
 
 def build_multi_worker(config) -> MultiWorkerParallelism:

@@ -11,8 +11,8 @@ meant, so this plugin, installed by tests/conftest.py in every pytest process:
   file list), a marker (`dtensor`), or `@pytest.mark.own_process("ENV_VAR")`;
   in the main process the others are skipped, in another process the main
   process's tests are deselected (the main process runs them);
-- in a process started by a runner, appends each passed node id to
-  $TFDIST_PASSED_IDS_FILE; the runner hands those ids back to the main process;
+- in a process started by a runner, appends each passed node id (and each test
+  that failed as its own xfail mark declares) to $TFDIST_PASSED_IDS_FILE; the runner hands those ids back to the main process;
 - at the end of the session fails it (exit 1), naming node id and reason, if a
   test skipped here "because it runs elsewhere" did not pass there, or if any
   other skip's reason is not in ALLOWED_SKIPS.
@@ -227,11 +227,20 @@ def pytest_unconfigure(config):
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call" and report.passed and os.environ.get(PASSED_IDS_FILE):
+    if report.when == "call" and _passed_or_declared_xfail(report) \
+            and os.environ.get(PASSED_IDS_FILE):
         with open(os.environ[PASSED_IDS_FILE], "a") as f:
             f.write(report.nodeid + "\n")
     if report.skipped and not hasattr(report, "wasxfail"):
         _state.skips[report.nodeid] = _reason(report)
+
+
+def _passed_or_declared_xfail(report) -> bool:
+    """A pass, or the outcome a test's own xfail mark declares (it failed as its reason
+    says): the main process accepts such a test, so a process of its own must count it too,
+    or a known defect moved to the second stream fails the suite there alone. A strict
+    xfail that passes is a failure and is not counted."""
+    return report.passed or (report.skipped and hasattr(report, "wasxfail"))
 
 
 def pytest_collectreport(report):

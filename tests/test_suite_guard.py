@@ -37,6 +37,12 @@ import os
 def test_one(): pass
 def test_two(): assert os.environ.get("BREAK_TWO") is None
 """
+# A known defect, declared where it is: the main process would accept its failure.
+ELSEWHERE_WITH_XFAIL = ELSEWHERE + """
+import pytest
+@pytest.mark.xfail(strict=False, reason="a known defect")
+def test_known_defect(): assert False
+"""
 # A lax runner on purpose: it asserts nothing, so only the guard can notice.
 RUNNER = f"""
 def test_runner(run_own_process):
@@ -80,8 +86,9 @@ def run_suite(tmp_path, files, env=None):
     ({"test_elsewhere.py": ELSEWHERE, "test_runner.py": RUNNER}, {"BREAK_TWO": "1"},
      f"test_elsewhere.py::test_two is skipped here because it runs in the {PROCESS}=1 "
      f"process, but it did not pass there"),
+    ({"test_elsewhere.py": ELSEWHERE_WITH_XFAIL, "test_runner.py": RUNNER}, {}, None),
 ], ids=["allowed_skips", "run_elsewhere", "reason_not_allowed", "runner_not_in_session",
-        "failed_elsewhere"])
+        "failed_elsewhere", "declared_xfail_elsewhere"])
 def test_guard_verdict(files, env, verdict, tmp_path):
     result = run_suite(tmp_path, files, env)
     output = result.stdout + result.stderr

@@ -43,6 +43,8 @@ def test_the_soak_suite_also_soaks_the_pipeline_across_workers():
     (lambda: soak.parse_collectives("auto,bogus"),
      "Unknown collective 'bogus' in --collectives='auto,bogus'. Valid choices: auto, ring"),
     (lambda: soak.parse_collectives(" , "), "--collectives names none, got ' , '"),
+    (lambda: soak.parse_collectives("pipeline,tcp,pipeline"),
+     "--collectives='pipeline,tcp,pipeline' names pipeline more than once; name each job once."),
     (lambda: soak.run_suite(["tcp"], steps=0, checkpoint_every=10, timeout=60),
      "--steps must be >= 1, got 0"),
     (lambda: soak.run_suite(["tcp"], steps=10, checkpoint_every=-1, timeout=60),

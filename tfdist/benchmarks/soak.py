@@ -95,6 +95,10 @@ def parse_collectives(text: str) -> Tuple[str, ...]:
         require(name in JOBS,
                 f"Unknown collective {name!r} in --collectives={text!r}. "
                 f"Valid choices: {', '.join(JOBS)}.")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    # Each job gets a run directory by name; to repeat one, run the suite again.
+    require(not twice, f"--collectives={text!r} names {', '.join(twice)} more than once; "
+                       f"name each job once.")
     return names
 
 

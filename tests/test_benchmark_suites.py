@@ -104,16 +104,17 @@ def read_csv(path):
 def test_the_soak_suite_judges_growth_per_step_past_warm_up_over_long_runs_only():
     at_10, at_2000 = soak.Sample(120, 700_000, 15, 10), soak.Sample(120, 770_000, 15, 2000)
     at_22000 = soak.Sample(120, 830_000, 15, 22000)
-    assert soak.rss_kb_per_step(at_2000, at_22000) == 3.0   # 60 MB over 20,000 steps
-    assert not soak.growth_ok(at_2000, at_22000)            # under the 1.5x ratio all the same
-    assert soak.growth_ok(at_2000, soak.Sample(120, 771_000, 15, 22000))   # the loss list's pace
-    short = soak.Sample(120, 830_000, 15, 2060)              # too few steps for a pace: not judged
-    assert soak.growth_ok(at_2000, short) and soak.growth_ok(None, at_22000)
-    assert soak.rss_kb_per_step(at_2000, at_2000) is None
+    assert soak.rss_kb_per_step([at_2000, at_22000]) == 3.0   # 60 MB over 20,000 steps
+    assert not soak.growth_ok([at_2000, at_22000])            # under the 1.5x ratio all the same
+    assert soak.growth_ok([at_2000, soak.Sample(120, 771_000, 15, 22000)])   # the loss list's pace
+    short = soak.Sample(120, 830_000, 15, 2060)                # too few steps for a pace: not judged
+    assert soak.growth_ok([at_2000, short]) and soak.growth_ok([])
+    assert soak.rss_kb_per_step([at_2000, at_2000]) is None
     trace = soak.WorkerTrace()
     for s in (at_10, soak.Sample(120, 760_000, 15, 1990), at_2000, at_22000):
         trace.add(s)
     assert (trace.first, trace.settled, trace.last) == (at_10, at_2000, at_22000)
+    assert list(trace.paced.values()) == [at_2000, at_22000]
     outcome = soak.RunOutcome(0, 1.0, 22000, {}, {0: trace}, "")
     [row] = soak.rows_of("shm", 22000, outcome)
     assert (row["rss_kb_per_step"], row["pace_from_step"], row["rss_ratio"], row["pass"]) == (
@@ -124,6 +125,25 @@ def test_the_soak_suite_judges_growth_per_step_past_warm_up_over_long_runs_only(
         warm.add(s)
     [row] = soak.rows_of("shm", 22000, soak.RunOutcome(0, 1.0, 22000, {}, {0: warm}, ""))
     assert (row["rss_kb_per_step"], row["pass"]) == ("0.05", "yes")
+
+
+def mb_every_500_steps(rss_mb_at):
+    return [soak.Sample(120, round(rss_mb_at(step) * 1024), 15, step)
+            for step in range(2000, 20001, 500)]
+
+
+def test_the_soak_pace_is_a_fit_through_every_sample_not_two_end_points():
+    """Modelled on the cross-worker pipeline's driver with validation (2026-12-05): sampled
+    by hand, 917 MB at step 2,000, 920 by 4,000, then 920-921 to step 18,000; the suite's two
+    end points read 0.48-0.53 KB a step from it. Here 913 at 2,000, 920 by 4,000, flat, and a
+    last sample 2 MB high. A leak under the same noise is still caught."""
+    warm_up_then_flat = mb_every_500_steps(
+        lambda step: 922 if step == 20000 else min(920, 913 + 7 * (step - 2000) / 2000))
+    two_points = soak.rss_kb_per_step([warm_up_then_flat[0], warm_up_then_flat[-1]])
+    assert two_points > soak.MAX_RSS_KB_PER_STEP
+    assert soak.rss_kb_per_step(warm_up_then_flat) < 0.25 and soak.growth_ok(warm_up_then_flat)
+    leak = mb_every_500_steps(lambda step: 900 + 0.6 * step / 1024 + (2 if step % 1000 else -2))
+    assert 0.55 < soak.rss_kb_per_step(leak) < 0.65 and not soak.growth_ok(leak)
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ Pass (issue 12): exit 0, every step trained, threads at the end <= 2x those afte
 the first step, RSS at the end <= 1.5x, and, over runs of at least
 MIN_STEPS_FOR_GROWTH steps sampled after WARMUP_STEPS, RSS growth of at most
 MAX_RSS_KB_PER_STEP a step from the first sample past WARMUP_STEPS (pace_from_step)
-to the last (the ratio alone let a 3 KB-a-step leak pass at 20,000 steps). A failing or
+to the last, as the least-squares slope of RSS over step through every sample in
+between (the ratio alone let a 3 KB-a-step leak pass at 20,000 steps; two end points
+alone read a warm-up that ran a little past WARMUP_STEPS as a pace). A failing or
 timed-out run is a row, not an exception: the suite exists to show leaks, so it
 must survive them.
 """
@@ -241,10 +243,14 @@ class WorkerTrace:
     last: Optional[Sample] = None
     peak_threads: int = 0
     settled: Optional[Sample] = None   # the first at or after WARMUP_STEPS
+    # From `settled` on, the newest sample of each logged step: at most steps / --log_every.
+    paced: Dict[int, Sample] = dataclasses.field(default_factory=dict)
 
     def add(self, s: Sample) -> None:
         self.first = self.first or s
         self.settled = self.settled or (s if s.step >= WARMUP_STEPS else None)
+        if self.settled:
+            self.paced[s.step] = s
         self.last = s
         self.peak_threads = max(self.peak_threads, s.threads)
 
@@ -319,17 +325,24 @@ def _ratio(last: Optional[int], first: Optional[int]) -> str:
     return f"{last / first:.2f}" if first and last is not None else ""
 
 
-def rss_kb_per_step(first: Sample, last: Sample) -> Optional[float]:
-    steps = last.step - first.step
-    return (last.rss_kb - first.rss_kb) / steps if steps > 0 else None
+def rss_kb_per_step(samples: Sequence[Sample]) -> Optional[float]:
+    """The least-squares slope of RSS over step: a leak's pace, which one late sample at
+    either end (a warm-up still finishing, the allocator giving memory back) cannot set
+    alone. None without two distinct steps."""
+    if len({s.step for s in samples}) < 2:
+        return None
+    mean_step = sum(s.step for s in samples) / len(samples)
+    mean_rss = sum(s.rss_kb for s in samples) / len(samples)
+    covariance = sum((s.step - mean_step) * (s.rss_kb - mean_rss) for s in samples)
+    return covariance / sum((s.step - mean_step) ** 2 for s in samples)
 
 
-def growth_ok(settled: Optional[Sample], last: Sample) -> bool:
-    """Judged only from a sample past warm-up and over MIN_STEPS_FOR_GROWTH steps or more
+def growth_ok(samples: Sequence[Sample]) -> bool:
+    """Judged only from samples past warm-up that span MIN_STEPS_FOR_GROWTH steps or more
     (see MAX_RSS_KB_PER_STEP and WARMUP_STEPS)."""
-    if settled is None or last.step - settled.step < MIN_STEPS_FOR_GROWTH:
+    if not samples or samples[-1].step - samples[0].step < MIN_STEPS_FOR_GROWTH:
         return True
-    return rss_kb_per_step(settled, last) <= MAX_RSS_KB_PER_STEP
+    return rss_kb_per_step(samples) <= MAX_RSS_KB_PER_STEP
 
 
 def worker_exit(outcome: RunOutcome, rank: int) -> str:
@@ -348,8 +361,8 @@ def rows_of(collective: str, steps: int, outcome: RunOutcome) -> List[Dict]:
         passed = (outcome.exit_code == 0 and outcome.steps == steps and trace.first is not None
                   and last.threads <= MAX_THREADS_RATIO * first.threads
                   and last.rss_kb <= MAX_RSS_RATIO * first.rss_kb
-                  and growth_ok(trace.settled, last))
-        per_step = rss_kb_per_step(trace.settled, last) if trace.settled else None
+                  and growth_ok(list(trace.paced.values())))
+        per_step = rss_kb_per_step(list(trace.paced.values()))
         rows.append({
             "collective": collective, "worker": rank, "steps": f"{outcome.steps}/{steps}",
             "exit": worker_exit(outcome, rank), "wall_s": round(outcome.wall_seconds),

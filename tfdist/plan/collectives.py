@@ -9,7 +9,7 @@ can run here: `mpi` only where it is installed (mpi4py importable and an Open MP
 found, checked without starting MPI). Every other layout keeps TF's collectives (no
 --collective flag).
 
-Why examples/s and not bandwidth: MPI_Allreduce moves 1-16 MB 1.7-13x faster than the
+Why examples/s and not bandwidth: MPI_Allreduce moves 1-16 MB 1.2-3.9x faster than the
 shared-memory all-reduce in the bandwidth benchmark (BUS_GBPS), yet trains no faster
 with the step's gradients (THROUGHPUT); the planner recommends what trains fastest and
 prints the bandwidth beside it.
@@ -35,17 +35,18 @@ from tfdist.plan.recommend import gib
 MB = 1 << 20
 # collective -> {message MB: bus bandwidth GB/s, median of 3 runs}. "mpi" is Open MPI's shared memory
 # (`tfdist launch --mpi`); "mpi_tcp" its TCP transport, measured, never chosen on one host.
+# Both tables: 2026-12-05, a 2-core Intel Xeon with AVX512 (README).
 BUS_GBPS: Dict[str, Dict[int, float]] = {
-    "auto": {1: 0.37, 4: 0.60, 16: 0.69, 64: 0.45},
-    "ring": {1: 0.42, 4: 0.61, 16: 0.78, 64: 0.42},
-    "tcp": {1: 0.47, 4: 0.99, 16: 1.19, 64: 0.98},
-    "shm": {1: 0.35, 4: 1.03, 16: 2.51, 64: 2.07},
-    "mpi": {1: 4.55, 4: 4.55, 16: 4.34, 64: 1.87},
-    "mpi_tcp": {1: 1.99, 4: 2.55, 16: 1.81, 64: 1.25},
+    "auto": {1: 0.23, 4: 0.37, 16: 0.34, 64: 0.31},
+    "ring": {1: 0.24, 4: 0.38, 16: 0.36, 64: 0.30},
+    "tcp": {1: 0.73, 4: 1.04, 16: 1.12, 64: 0.80},
+    "shm": {1: 0.95, 4: 2.15, 16: 2.32, 64: 1.88},
+    "mpi": {1: 3.69, 4: 3.50, 16: 2.88, 64: 1.28},
+    "mpi_tcp": {1: 1.85, 4: 1.55, 16: 1.39, 64: 0.81},
 }
-# collective -> examples/s of 2 workers (medians of 3 trials; the suite's second run; its
-# first gave auto 13228, tcp 12668, shm 13102, mpi 9620: the same winner).
-THROUGHPUT = {"auto": 10382, "tcp": 10913, "shm": 14221, "mpi": 10910}
+# collective -> examples/s of 2 workers (medians of 3 trials in one run). shm and mpi are level
+# on this workload (paired runs: README), so which leads a run is within its noise.
+THROUGHPUT = {"auto": 8814, "tcp": 14117, "shm": 18531, "mpi": 18356}
 THROUGHPUT_GRADIENT_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
 ONE_HOST = tuple(THROUGHPUT)   # what `tfdist launch` runs on one host, measured end to end
 

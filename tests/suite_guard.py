@@ -12,7 +12,8 @@ meant, so this plugin, installed by tests/conftest.py in every pytest process:
   in the main process the others are skipped, in another process the main
   process's tests are deselected (the main process runs them);
 - in a process started by a runner, appends each passed node id (and each test
-  that failed as its own xfail mark declares) to $TFDIST_PASSED_IDS_FILE; the runner hands those ids back to the main process;
+  that failed as its own xfail mark declares) to $TFDIST_PASSED_IDS_FILE; the
+  runner hands those ids back to the main process;
 - at the end of the session fails it (exit 1), naming node id and reason, if a
   test skipped here "because it runs elsewhere" did not pass there, or if any
   other skip's reason is not in ALLOWED_SKIPS.

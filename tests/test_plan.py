@@ -227,7 +227,8 @@ def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
     """Gradients + activations against TF's allocator on one CPU device (README: errors).
 
     In a fresh process without TF_CPU_ALLOCATOR_USE_BFC, as a user's would be: the
-    allocator that keeps statistics has to be chosen before TensorFlow's devices exist.
+    allocator that keeps statistics has to be chosen before TensorFlow's devices exist,
+    and the executor's thread counts before its context does (one each: a fixed op order).
     The default allocator (oneDNN's, on AVX512) counts the bytes asked for: within a
     third. BFC counts chunks up to twice the request, so its peak is 1-2x the bytes
     asked for: an estimate within a third of those is -2/3 to +1/3 of BFC's peak.
@@ -255,6 +256,20 @@ def test_a_process_whose_allocator_keeps_no_statistics_gets_told_how_to_measure(
             memory.require_allocator_stats()
     else:   # oneDNN's allocator (the default on AVX512 CPUs) keeps them: nothing to refuse
         memory.require_allocator_stats()
+
+
+def test_a_process_already_on_several_threads_gets_told_how_to_measure(monkeypatch):
+    import tensorflow as tf
+    from tfdist.benchmarks import memory
+    for name in memory.THREAD_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    tf.constant(1.0)  # the context exists, on TensorFlow's default thread counts
+    with pytest.raises(RuntimeError, match="TF_NUM_INTEROP_THREADS=1 TF_NUM_INTRAOP_THREADS=1.*"
+                                           "--suite=memory"):
+        memory.require_one_thread_executor()
+    for name in memory.THREAD_ENVS:  # a context started on one thread of each is what it needs
+        monkeypatch.setenv(name, "1")
+    memory.require_one_thread_executor()
 
 
 def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(capsys):

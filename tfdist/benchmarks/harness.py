@@ -6,8 +6,12 @@ from tfdist.data import pipeline
 from tfdist.train import runner
 
 
-def train_step_and_iterator(config: RunConfig):
-    """(step, iterator) as the training loop builds them; step(iterator) runs one step."""
+def train_step_and_iterator(config: RunConfig, one_batch: bool = False):
+    """(step, iterator) as the training loop builds them; step(iterator) runs one step.
+
+    With `one_batch`, the iterator repeats the first global batch from memory: no
+    input pipeline runs beside the steps (its threads allocate on the same device).
+    """
     parallel = parallel_lib.build_parallelism(config)
     parallel.validate_global_batch(config.global_batch_size)
     source = data.get_source(config.data)
@@ -15,4 +19,12 @@ def train_step_and_iterator(config: RunConfig):
     step = parallel.make_train_step(model, optimizer, config.global_batch_size, False)
     dataset_fn = pipeline.train_dataset_fn(source, config.global_batch_size, config.seed,
                                            config.data)
+    if one_batch:
+        dataset_fn = _first_batch_repeated(dataset_fn)
     return step, iter(parallel.distribute(dataset_fn))
+
+
+def _first_batch_repeated(dataset_fn):
+    def first_batch(context):
+        return dataset_fn(context).take(1).cache().repeat()
+    return first_batch

@@ -17,6 +17,17 @@ machine the mlp's BFC peak ranged 8.5-17.6 MB from process to process, its
 oneDNN peak 12.5-13.6 MB). A probe process finds out which it is before
 TensorFlow creates its devices here; if they already exist, it says how to start.
 
+Nothing runs beside the measured steps. They run on one executor thread and one
+kernel thread, and the input is one global batch repeated from memory: with more
+threads, the order in which independent ops run depends on timing, and the order
+decides how many gradients and activations are alive at once; an input pipeline's
+own threads allocate on the same device in between. The mlp's peak (oneDNN's
+allocator, worst of five steps) was 12.5-13.6 MB on an idle machine and 7.3 MB
+in one loaded run (CI's second stream, niced beside the first; reproduced here
+under two busy loops, and once, idle, with one thread but a live input pipeline).
+Measured as now: 11.5 MB in 8 of 9 runs (3 idle, 5 under two busy loops, one
+by hand) and 12.5 MB in one loaded run.
+
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
 
@@ -45,6 +56,7 @@ CONFIGS = (  # `tfdist plan` flags: one per registry model, big enough to dwarf 
 MEASURED_STEPS = 5
 ALLOCATOR_STATS_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # read once, when TensorFlow creates its devices
 PROBE_TIMEOUT_S = 120  # one `import tensorflow` and one op; a few seconds on an idle machine
+THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
 
 
 def default_allocator_keeps_stats() -> bool:
@@ -76,18 +88,43 @@ def require_allocator_stats(device: str = "CPU:0") -> None:
             f"anything runs a TensorFlow op: python -m experiments.benchmark --suite=memory") from None
 
 
+def require_one_thread_executor() -> None:
+    """Runs TensorFlow's ops on one executor and one kernel thread, or raises saying how to.
+
+    Only possible before TensorFlow's context exists; a context already started on
+    one thread of each (the API or THREAD_ENVS) is accepted as it is.
+    """
+    import tensorflow as tf
+    threading = tf.config.threading
+    try:
+        threading.set_inter_op_parallelism_threads(1)
+        threading.set_intra_op_parallelism_threads(1)
+        return
+    except RuntimeError:  # the context exists: accept it only if it already runs on one thread
+        pass
+    from_api = (threading.get_inter_op_parallelism_threads(),
+                threading.get_intra_op_parallelism_threads()) == (1, 1)
+    from_env = all(os.environ.get(name) == "1" for name in THREAD_ENVS)
+    if not (from_api or from_env):
+        raise RuntimeError(
+            "TensorFlow already runs on more than one thread in this process, so a step's op "
+            "order (and its memory peak) changes from run to run. Start the measurement in a "
+            "fresh process, or with " + " ".join(f"{name}=1" for name in THREAD_ENVS) +
+            ": python -m experiments.benchmark --suite=memory")
+
+
 def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
                              steps: int = MEASURED_STEPS) -> int:
     """Peak minus live bytes on `device`, the worst of `steps` (already traced) training steps.
 
-    The worst, not one step: TF's executor runs independent ops in whatever order
-    its inter-op threads reach them, so one step's peak depends on the order (on a
-    busy machine one step of the mlp peaked 27% below the others). Memory has to
-    fit the worst step, and the planner estimates that one.
+    On one thread (module docstring), so the op order is the same every run; the
+    worst of several steps still, since what a step allocates can differ from the
+    next one's (the input pipeline's buffers, the allocator's reuse).
     """
+    require_one_thread_executor()  # first: reading the allocator's statistics starts the context
     require_allocator_stats(device)
     import tensorflow as tf
-    step, iterator = harness.train_step_and_iterator(config)
+    step, iterator = harness.train_step_and_iterator(config, one_batch=True)
     float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
     float(step(iterator))
     worst = 0

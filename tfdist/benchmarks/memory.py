@@ -10,23 +10,28 @@ Only some CPU allocators keep those statistics: oneDNN's (TensorFlow's default
 where oneDNN is on, on AVX512 CPUs) and the BFC allocator that
 TF_CPU_ALLOCATOR_USE_BFC=true selects. TensorFlow's plain CPU allocator, the
 default on an AVX2-only CPU, keeps none. The measurement prefers the default
-allocator where it keeps them, since it counts the bytes asked for; BFC counts
-whole chunks, and hands out a free chunk up to twice the request without
+allocator where it keeps them, since its peak moved less from process to process
+(it reports in steps of 64 KiB, so it also rounds; how it rounds is not read
+here); BFC counts whole chunks, and hands out a free chunk up to twice the request without
 splitting it, so its peak moves with the allocation history (on one AVX512
 machine the mlp's BFC peak ranged 8.5-17.6 MB from process to process, its
 oneDNN peak 12.5-13.6 MB). A probe process finds out which it is before
 TensorFlow creates its devices here; if they already exist, it says how to start.
 
-Nothing runs beside the measured steps. They run on one executor thread and one
-kernel thread, and the input is one global batch repeated from memory: with more
-threads, the order in which independent ops run depends on timing, and the order
-decides how many gradients and activations are alive at once; an input pipeline's
-own threads allocate on the same device in between. The mlp's peak (oneDNN's
-allocator, worst of five steps) was 12.5-13.6 MB on an idle machine and 7.3 MB
-in one loaded run (CI's second stream, niced beside the first; reproduced here
-under two busy loops, and once, idle, with one thread but a live input pipeline).
-Measured as now: 11.5 MB in 8 of 9 runs (3 idle, 5 under two busy loops, one
-by hand) and 12.5 MB in one loaded run.
+What is measured is the step as autodiff writes it: TensorFlow's graph rewrites
+(grappler) are off while it is traced, and nothing runs beside the measured
+steps: one executor thread and one kernel thread, and one global batch repeated
+from memory. Each of the three moved the peak from process to process. Grappler's
+rewrites put the mlp's peak (oneDNN's allocator, worst of five steps) at 11.5-12.5
+MB in most processes and at 7.3 MB in about one in ten (1 of 10 idle, 1 of 8
+under two busy loops here) and in both full-suite second streams on record,
+loaded and niced (CI's at 519e7b7, this machine's at a59fc74, already on one
+thread): a different rewritten graph, its peak set per process. With more
+threads, timing decides the order of independent ops, and the order how many
+gradients and activations are alive at once (12.5-13.6 MB idle); an input
+pipeline's threads allocate on the same device in between. Measured as now:
+9.5 MB in 18 of 21 runs and 10.5 MB in 3, idle and loaded. The rewritten
+graph's peak, which a plan also has to leave room for, is the README's.
 
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
@@ -117,23 +122,29 @@ def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
                              steps: int = MEASURED_STEPS) -> int:
     """Peak minus live bytes on `device`, the worst of `steps` (already traced) training steps.
 
-    On one thread (module docstring), so the op order is the same every run; the
-    worst of several steps still, since what a step allocates can differ from the
-    next one's (the input pipeline's buffers, the allocator's reuse).
+    Without graph rewrites, on one thread (module docstring), so the graph and the
+    op order are the same every run; the worst of several steps still, since the
+    allocator's reuse can differ from one step to the next.
     """
     require_one_thread_executor()  # first: reading the allocator's statistics starts the context
     require_allocator_stats(device)
     import tensorflow as tf
-    step, iterator = harness.train_step_and_iterator(config, one_batch=True)
-    float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
-    float(step(iterator))
-    worst = 0
-    for _ in range(steps):
-        tf.config.experimental.reset_memory_stats(device)
-        before = tf.config.experimental.get_memory_info(device)["current"]
+    options = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        step, iterator = harness.train_step_and_iterator(config, one_batch=True)
+        float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
         float(step(iterator))
-        worst = max(worst, tf.config.experimental.get_memory_info(device)["peak"] - before)
-    return worst
+        worst = 0
+        for _ in range(steps):
+            tf.config.experimental.reset_memory_stats(device)
+            before = tf.config.experimental.get_memory_info(device)["current"]
+            float(step(iterator))
+            worst = max(worst, tf.config.experimental.get_memory_info(device)["peak"] - before)
+        return worst
+    finally:  # the step was traced under these options; later functions get the caller's
+        tf.config.optimizer.set_experimental_options(
+            {"disable_meta_optimizer": options.get("disable_meta_optimizer", False)})
 
 
 def compare(plan_flags: List[str]) -> Dict:

@@ -30,7 +30,7 @@ thread): a different rewritten graph, its peak set per process. With more
 threads, timing decides the order of independent ops, and the order how many
 gradients and activations are alive at once (12.5-13.6 MB idle); an input
 pipeline's threads allocate on the same device in between. Measured as now:
-9.5 MB in 18 of 21 runs and 10.5 MB in 3, idle and loaded. The rewritten
+9.5 MB in 18 of 22 runs and 10.5 MB in 4, idle and loaded. The rewritten
 graph's peak, which a plan also has to leave room for, is the README's.
 
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each

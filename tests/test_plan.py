@@ -231,8 +231,9 @@ def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
     and the executor's thread counts before its context does (one each: a fixed op order);
     the step is traced without grappler's rewrites, which chose per process between peaks
     7.3 and 11.5-12.5 MB (tfdist/benchmarks/memory.py).
-    The default allocator (oneDNN's, on AVX512), in 64 KiB steps: within a third. BFC counts chunks up to twice the request, so its peak is 1-2x the bytes
-    asked for: an estimate within a third of those is -2/3 to +1/3 of BFC's peak.
+    The default allocator (oneDNN's, on AVX512), in 64 KiB steps: within a third. BFC
+    counts chunks up to twice the request, so its peak is 1-2x the bytes asked for: an
+    estimate within a third of those is -2/3 to +1/3 of BFC's peak.
     """
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
     script = ("import json; from tfdist.benchmarks import memory; "

@@ -12,8 +12,8 @@ TF_CPU_ALLOCATOR_USE_BFC=true selects. TensorFlow's plain CPU allocator, the
 default on an AVX2-only CPU, keeps none. The measurement prefers the default
 allocator where it keeps them, since its peak moved less from process to process
 (it reports in steps of 64 KiB, so it also rounds; how it rounds is not read
-here); BFC counts whole chunks, and hands out a free chunk up to twice the request without
-splitting it, so its peak moves with the allocation history (on one AVX512
+here); BFC counts whole chunks, and hands out a free chunk up to twice the
+request without splitting it, so its peak moves with the allocation history (on one AVX512
 machine the mlp's BFC peak ranged 8.5-17.6 MB from process to process, its
 oneDNN peak 12.5-13.6 MB). A probe process finds out which it is before
 TensorFlow creates its devices here; if they already exist, it says how to start.

@@ -274,6 +274,15 @@ def test_a_process_already_on_several_threads_gets_told_how_to_measure(monkeypat
     memory.require_one_thread_executor()
 
 
+def test_graph_rewrites_are_off_only_inside_the_measurement():
+    import tensorflow as tf
+    from tfdist.benchmarks import memory
+    assert not tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+    with memory._without_graph_rewrites():
+        assert tf.config.optimizer.get_experimental_options()["disable_meta_optimizer"]
+    assert not tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+
+
 def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(capsys):
     flags = ["plan", "--devices=4", "--workers=2", "--memory_per_device=1GiB", "--model=mlp",
              "--json"]

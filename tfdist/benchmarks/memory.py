@@ -36,6 +36,7 @@ graph's peak, which a plan also has to leave room for, is the README's.
     python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
 """
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -123,15 +124,13 @@ def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
     """Peak minus live bytes on `device`, the worst of `steps` (already traced) training steps.
 
     Without graph rewrites, on one thread (module docstring), so the graph and the
-    op order are the same every run; the worst of several steps still, since the
-    allocator's reuse can differ from one step to the next.
+    op order do not change with the machine's load; the worst of several steps
+    still, since the allocator's reuse can differ from one step to the next.
     """
     require_one_thread_executor()  # first: reading the allocator's statistics starts the context
     require_allocator_stats(device)
     import tensorflow as tf
-    options = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-    try:
+    with _without_graph_rewrites():  # around the measured steps too: a changed setting re-optimizes
         step, iterator = harness.train_step_and_iterator(config, one_batch=True)
         float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
         float(step(iterator))
@@ -141,10 +140,19 @@ def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
             before = tf.config.experimental.get_memory_info(device)["current"]
             float(step(iterator))
             worst = max(worst, tf.config.experimental.get_memory_info(device)["peak"] - before)
-        return worst
-    finally:  # the step was traced under these options; later functions get the caller's
-        tf.config.optimizer.set_experimental_options(
-            {"disable_meta_optimizer": options.get("disable_meta_optimizer", False)})
+    return worst
+
+
+@contextlib.contextmanager
+def _without_graph_rewrites():
+    """Functions run inside run as traced (grappler off); outside, with the caller's setting."""
+    import tensorflow as tf
+    before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
 
 
 def compare(plan_flags: List[str]) -> Dict:

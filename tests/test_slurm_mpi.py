@@ -29,14 +29,15 @@ import pytest
 
 from helpers import REPO
 from slurm_cluster import slurm, unavailable_reason  # noqa: F401 (fixture)
-from test_slurm import final_tensors, read, relative_difference, task_exit_codes, term_after_step_10
+from test_slurm import (final_tensors, read, relative_difference, steps_to_compare, task_exit_codes,
+                        term_after_step_10)
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.testing import equivalence
 
 SCRIPT = os.path.join("examples", "slurm", "train-mpi.sbatch")
 FLAGS = ["--model=mlp", "--dataset=synthetic", "--global_batch_size=32", "--optimizer=adam",
          "--seed=3", "--log_every=10"]
-STEPS = 400          # long enough that a TERM after step 10 lands well before the end
+STEPS = 400          # at least this many; more when the TERM lands late (steps_to_compare)
 RTOL = equivalence.RTOL
 JOB_TIMEOUT = 300    # seconds, per job: the machine is shared
 # Where Debian, RPM and source builds of Slurm keep their plugins (slurm.conf's PluginDir
@@ -144,33 +145,35 @@ def finish(slurm, job_id, paths, timeout=JOB_TIMEOUT):
 
 @pytest.fixture(scope="module")
 def runs(slurm, tmp_path_factory):
-    """Every job of this file, overlapped (the node takes two 2-task jobs at once): the
-    uninterrupted job, a one-device run of the same flags, a job preempted with
-    scancel --signal=TERM, and its resubmission."""
+    """Every job of this file: a job preempted with scancel --signal=TERM, then, overlapped
+    (the node takes two 2-task jobs at once), its resubmission, the uninterrupted job and a
+    one-device run of the same flags, all to the step steps_to_compare picks from the
+    preempted job's checkpoint (a TERM can land hundreds of steps late on a loaded machine)."""
     out_dir = str(tmp_path_factory.mktemp("slurm-mpi"))
     writer = weight_writer(out_dir)
     started = time.monotonic()
-    uninterrupted = submit(slurm, out_dir, "mpi", f"--train_steps={STEPS}", python=writer)
     preempted = submit(slurm, out_dir, "preempted", "--train_steps=1000000")   # only TERM ends it
+    term_after_step_10(slurm, *preempted)
+    signalled = time.monotonic()
+    result = dict(preempted=finish(slurm, *preempted), seconds_to_end=time.monotonic() - signalled,
+                  checkpoints=read(os.path.join(preempted[1]["model_dir"], "checkpoints.json")))
+    steps = steps_to_compare(result["preempted"][1])
+    # The resubmission: same script and flags, the same --model_dir, a --train_steps to stop at.
+    resumed = submit(slurm, out_dir, "resumed", f"--train_steps={steps}",
+                     model_dir=preempted[1]["model_dir"])
+    uninterrupted = submit(slurm, out_dir, "mpi", f"--train_steps={steps}", python=writer)
     default_dir = os.path.join(out_dir, "default")
     one_device = subprocess.Popen(
         [writer, "-m", "experiments.train", "--strategy=default", "--simulate_devices=0", *FLAGS,
-         f"--train_steps={STEPS}", f"--model_dir={default_dir}", f"--results_json={default_dir}.json"],
+         f"--train_steps={steps}", f"--model_dir={default_dir}", f"--results_json={default_dir}.json"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
                            TFDIST_TEST_WEIGHTS=f"{default_dir}.npz"),
         stdout=subprocess.DEVNULL, stderr=open(f"{default_dir}.log", "w"))
     try:
-        term_after_step_10(slurm, *preempted)
-        signalled = time.monotonic()
-        result = dict(preempted=finish(slurm, *preempted), seconds_to_end=time.monotonic() - signalled,
-                      checkpoints=read(os.path.join(preempted[1]["model_dir"], "checkpoints.json")))
-        # The resubmission: same script and flags, the same --model_dir, a --train_steps to stop at.
-        resumed = submit(slurm, out_dir, "resumed", f"--train_steps={STEPS}",
-                         model_dir=preempted[1]["model_dir"])
         assert one_device.wait(JOB_TIMEOUT) == 0, read(f"{default_dir}.log")[-3000:]
     finally:
         one_device.kill()
-    result.update(uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]),
+    result.update(steps=steps, uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]),
                   resumed=finish(slurm, *resumed), default_dir=default_dir)
     print(f"slurm-mpi jobs: {time.monotonic() - started:.0f} s in all")
     return result
@@ -189,7 +192,7 @@ def test_sbatch_srun_mpi_two_tasks_train_like_one_device(runs):
     tasks = [equivalence.from_results_json(paths["json"], f"srun --mpi=pmix task {rank}",
                                            weights=paths["weights"].format(rank=rank))
              for rank in (0, 1)]
-    assert len(reference.losses) == STEPS
+    assert len(reference.losses) == runs["steps"] >= STEPS
     problems = equivalence.loss_mismatches(reference, tasks[0])   # refuses empty lists
     for task in tasks:
         problems += equivalence.weight_mismatches(reference, task)
@@ -214,13 +217,14 @@ def test_scancel_term_under_srun_mpi_saves_exit_4_and_a_resubmitted_job_resumes_
     saved = re.findall(r"saved a checkpoint at step (\d+)", output)
     assert len(saved) == 2 and saved[0] == saved[1], saved        # both tasks, one step
     step = int(saved[0])
-    assert 10 <= step < STEPS, f"TERM landed at step {step}; STEPS={STEPS} leaves nothing to resume"
+    assert 10 <= step < runs["steps"], f"TERM landed at step {step}; {runs['steps']} leaves nothing to resume"
     assert json.loads(runs["checkpoints"])["checkpoints"][-1] == f"ckpt-{step}", runs["checkpoints"]
-    print(f"TERM to job end: {runs['seconds_to_end']:.1f} s; checkpoint at step {step}")
+    print(f"TERM to job end: {runs['seconds_to_end']:.1f} s; checkpoint at step {step}; "
+          f"compared to step {runs['steps']}")
 
     job, output, resumed = runs["resumed"]
     assert job["ExitCode"] == "0:0", (job, output[-3000:])
-    assert resumed["start_step"] == step and len(resumed["losses"]) == STEPS - step
+    assert resumed["start_step"] == step and len(resumed["losses"]) == runs["steps"] - step
     tail = equivalence.Record("uninterrupted", runs["uninterrupted"][2]["losses"][step:], None)
     candidate = equivalence.Record("resumed", resumed["losses"], None)
     problems = equivalence.loss_mismatches(tail, candidate)   # refuses empty lists

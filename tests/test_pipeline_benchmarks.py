@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 TINY = dict(steps=3, trials=1, input_dim=16, hidden=(16, 16, 16, 16), batch=32, microbatches=4)
 OVERLAP_KEYS = ["contender", "processes", "examples_per_sec_median", "trials", "speedup",
-                "formula", "ratio_to_formula", "overlap_speedup", "overlap_ratio_to_formula"]
+                "formula", "ratio_to_formula", "overlap_speedup", "overlap_ratio_to_formula",
+                "ratio_to_ceiling"]
 TORCH_KEYS = ["benchmark", "contender", "examples_per_sec_median", "trials",
               "tfdist_over_pytorch"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -35,30 +36,41 @@ def test_formulas():
     assert pipeline_overlap.formula("interleaved_1f1b", 2, 8) == pytest.approx(32 / 17)
     assert pipeline_overlap.formula("zero_bubble", 2, 8) == pytest.approx(48 / 25)
     assert pipeline_overlap.formula(None, 2, 8) == 1.0
+    assert pipeline_overlap.formula(pipeline_overlap.INDEPENDENT, 2, 8) == 2.0
 
 
 def test_rows_from_trials():
     rates = {pipeline_overlap.BASELINE: [100.0, 90.0, 110.0],
+             pipeline_overlap.CEILING: [190.0],
              pipeline_overlap.SERIAL_PIPELINE: [80.0],
              "tfdist gpipe, 2 worker processes": [150.0, 170.0, 160.0]}
-    meta = {pipeline_overlap.BASELINE: (None, 1), pipeline_overlap.SERIAL_PIPELINE: (None, 1),
+    meta = {pipeline_overlap.BASELINE: (None, 1),
+            pipeline_overlap.CEILING: (pipeline_overlap.INDEPENDENT, 2),
+            pipeline_overlap.SERIAL_PIPELINE: (None, 1),
             "tfdist gpipe, 2 worker processes": ("gpipe", 2)}
     rows = pipeline_overlap.rows_from(rates, meta, microbatches=8)
-    assert [list(row) for row in rows] == [OVERLAP_KEYS] * 3
-    assert rows[2]["speedup"] == 1.6 and rows[2]["formula"] == round(16 / 9, 3)
-    assert rows[2]["ratio_to_formula"] == round(1.6 / (16 / 9), 3)
-    assert rows[2]["overlap_speedup"] == 2.0 and rows[2]["trials"] == "150.0 170.0 160.0"
-    assert rows[0]["overlap_speedup"] == ""
+    assert [list(row) for row in rows] == [OVERLAP_KEYS] * 4
+    ceiling, pipeline = rows[1], rows[3]
+    assert ceiling["speedup"] == 1.9 and ceiling["formula"] == 2.0
+    assert ceiling["ratio_to_formula"] == 0.95 and ceiling["overlap_speedup"] == ""
+    assert ceiling["ratio_to_ceiling"] == ""
+    assert pipeline["speedup"] == 1.6 and pipeline["formula"] == round(16 / 9, 3)
+    assert pipeline["ratio_to_formula"] == round(1.6 / (16 / 9), 3)
+    # the formula on cores that together give 1.9x: 16/9 * 0.95
+    assert pipeline["ratio_to_ceiling"] == round(1.6 / (16 / 9) / 0.95, 3)
+    assert pipeline["overlap_speedup"] == 2.0 and pipeline["trials"] == "150.0 170.0 160.0"
+    assert rows[0]["overlap_speedup"] == "" and rows[0]["ratio_to_ceiling"] == ""
 
 
 def test_pipeline_overlap_tiny(tmp_path):
     rows, notes = pipeline_overlap.compare(schedules=("1f1b",), in_process=False, **TINY)
-    assert [row["contender"] for row in rows] == ["tfdist 1 process",
+    assert [row["contender"] for row in rows] == ["tfdist 1 process", pipeline_overlap.CEILING,
                                                   "tfdist 1f1b, 2 worker processes"], notes
     for row in rows:
         assert list(row) == OVERLAP_KEYS
         for key, value in _numbers(row, OVERLAP_KEYS[1:]):
             assert value > 0, (key, row)
+    assert rows[2]["ratio_to_ceiling"] != "" and rows[1]["ratio_to_ceiling"] == ""
     text = pipeline_overlap.write(rows, notes, str(tmp_path), "pipeline_overlap", "tiny")
     assert "| contender |" in text and (tmp_path / "pipeline_overlap.csv").exists()
 
@@ -90,3 +102,8 @@ def test_pinned_processes_take_the_cores_by_rank():
     from tfdist.benchmarks import pinned
     assert [pinned.core_for(rank, {0, 1}) for rank in range(4)] == [0, 1, 0, 1]
     assert pinned.core_for(1, {6, 4}) == 6   # the cores this process may use, in order
+
+
+def test_a_failing_ceiling_run_is_reported_not_summed():
+    with pytest.raises(pipeline_overlap.ContenderFailed, match=r"2 independent processes: exit 2"):
+        pipeline_overlap.independent_rate(2, 2, ["--model=no_such_model"], timeout=120)

@@ -9,7 +9,9 @@ stages share its one thread: no overlap is possible, so this row measures what
 cutting the batch into M micro-batches and the pipeline's bookkeeping cost), and
 (c) as S=2 stages in 2 worker processes (`tfdist launch --workers 2`, worker 0
 drives and runs stage 0 and the input pipeline, worker 1 serves stage 1) with M=8
-micro-batches, for every schedule tfdist.config.PIPELINE_SCHEDULES lists.
+micro-batches, for every schedule tfdist.config.PIPELINE_SCHEDULES lists, and (d) as 2
+independent copies of (a) at once, one per core: what the two cores deliver when both
+compute (the ceiling any 2-process run can reach; the formula assumes 2x).
 
 With balanced stages and free communication, a schedule's step takes the ideal
 T1/S times (1 + bubble), so its speedup over one process is:
@@ -17,7 +19,8 @@ T1/S times (1 + bubble), so its speedup over one process is:
   interleaved_1f1b (V)   S*V*M / (V*M + S - 1)              (bubble (S-1)/(V*M))
   zero_bubble (ZB-H1)    3*S*M / (3*M + S - 1)              (bubble (S-1)/(3M), F = B = W)
 Rows: examples/s median over alternating trials, speedup against the 1-process
-run, the formula and the ratio of the two (1.0: the schedule's ideal reached).
+run, the formula and the ratio of the two (1.0: the schedule's ideal reached), and
+ratio_to_ceiling: that ratio with the formula scaled by (d)'s speedup / 2.
 
 Every process is pinned to a core of its own (tfdist.benchmarks.pinned): the one-process
 contenders to the first core, worker R to the R-th. A stage process computes on one thread
@@ -43,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import json
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -58,6 +62,8 @@ GLOBAL_BATCH = 512          # torch_pipeline's (the comparison with PyTorch)
 OVERLAP_GLOBAL_BATCH = 2048  # this suite's: micro-batches of 256 (see the module docstring)
 BASELINE = "tfdist 1 process"
 SERIAL_PIPELINE = "tfdist gpipe, 2 stages in 1 process"
+CEILING = "tfdist 1 process x2 at once, independent (the cores' ceiling)"
+INDEPENDENT = "independent"   # the ceiling's "schedule": S copies, nothing shared
 
 
 class ContenderFailed(RuntimeError):
@@ -128,11 +134,51 @@ def tfdist_rate(workers: int, steps: int, flags: Sequence[str], launch_flags=(),
         return run_rate(train, results, timeout)
 
 
+def independent_rate(copies: int, steps: int, flags: Sequence[str], timeout: float = 1800) -> float:
+    """Summed examples/s of `copies` independent one-process trainings started together, each
+    pinned to a core of its own (TFDIST_RANK picks it, as under tfdist launch): what the
+    machine's cores deliver when all compute at once, the most any S-process run can reach.
+    A pipeline's formula assumes S cores that do not slow each other (shared caches, memory
+    bandwidth, hyper-threads of one physical core, a hypervisor's neighbours); this row
+    measures that assumption instead of making it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = []
+        for rank in range(copies):
+            results = os.path.join(tmp, f"r{rank}.json")
+            command = [sys.executable, "-m", "tfdist.benchmarks.pinned", sys.executable, "-m",
+                       "experiments.train", f"--train_steps={steps}", f"--results_json={results}",
+                       *flags]
+            processes.append((subprocess.Popen(command, env=dict(env(), TFDIST_RANK=str(rank)),
+                                               cwd=REPO, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True), results))
+        deadline = time.monotonic() + timeout
+        failures = []
+        for process, results in processes:
+            try:
+                _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                failures.append(f"timed out after {timeout:.0f} s")
+                continue
+            if process.returncode != 0:
+                failures.append(f"exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
+        if failures:
+            raise ContenderFailed(f"{copies} independent processes: {'; '.join(failures)}")
+        rates = []
+        for _, results in processes:
+            with open(results) as f:
+                rates.append(json.load(f)["examples_per_sec"])
+        return sum(rates)
+
+
 def formula(schedule: Optional[str], stages: int, microbatches: int) -> float:
     """The schedule's speedup over one process with balanced stages and free transfers."""
     s, m = stages, microbatches
     if schedule is None:
         return 1.0
+    if schedule == INDEPENDENT:
+        return float(s)
     if schedule in ("gpipe", "1f1b"):
         return s * m / (m + s - 1)
     if schedule == "interleaved_1f1b":
@@ -150,12 +196,14 @@ def listed_schedules() -> Sequence[str]:
 
 def contenders(steps: int, input_dim: int, hidden: Sequence[int], batch: int,
                microbatches: int, schedules: Sequence[str], notes: List[str],
-               in_process: bool = True):
+               in_process: bool = True, ceiling: bool = True):
     """name -> (run() -> examples/s, schedule or None, processes)."""
     base = mlp_flags(input_dim, hidden, batch)
     listed = listed_schedules()
-    runs = {BASELINE: (lambda: tfdist_rate(
-        1, steps, base + ["--strategy=default", "--simulate_devices=0"], pin=True), None, 1)}
+    one_process = base + ["--strategy=default", "--simulate_devices=0"]
+    runs = {BASELINE: (lambda: tfdist_rate(1, steps, one_process, pin=True), None, 1)}
+    if ceiling:
+        runs[CEILING] = (lambda: independent_rate(STAGES, steps, one_process), INDEPENDENT, STAGES)
     if in_process:
         runs[SERIAL_PIPELINE] = (lambda: tfdist_rate(
             1, steps, base + pipeline_flags("gpipe", microbatches) + ["--simulate_devices=2"],
@@ -200,11 +248,11 @@ def compare(steps: int = 30, trials: int = 4, input_dim: int = DEFAULT_INPUT,
             hidden: Sequence[int] = DEFAULT_HIDDEN, batch: int = OVERLAP_GLOBAL_BATCH,
             microbatches: int = MICROBATCHES,
             schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
-            in_process: bool = True):
+            in_process: bool = True, ceiling: bool = True):
     """(rows, notes): one row per contender, medians of alternating trials."""
     notes: List[str] = []
     runs = contenders(steps, input_dim, hidden, batch, microbatches, schedules, notes,
-                      in_process)
+                      in_process, ceiling)
     before = os.getloadavg()
     rates = alternate({name: run for name, (run, _, _) in runs.items()}, trials, notes)
     notes += [f"failed attempt, retried: {line}" for line in FAILURES]
@@ -220,10 +268,15 @@ def rows_from(rates: Dict[str, List[float]], meta: Dict[str, tuple],
 
     speedup is against one process on the whole batch (the issue's figure); overlap_speedup
     against the 2-stage pipeline in one process, which runs the same micro-batch ops on one
-    thread, so it isolates what running the stages in two processes buys."""
+    thread, so it isolates what running the stages in two processes buys.
+    ratio_to_ceiling: a pipeline's speedup against its formula scaled by what S cores
+    measurably deliver together (the CEILING row's speedup over S): 1.0 is the schedule's
+    ideal on these cores."""
     def median_of(name):
         return statistics.median(rates[name]) if rates.get(name) else None
     baseline, serial = median_of(BASELINE), median_of(SERIAL_PIPELINE)
+    together = median_of(CEILING)
+    per_core = together / baseline / STAGES if together and baseline else None
     rows = []
     for name, (schedule, processes) in meta.items():
         median = median_of(name)
@@ -236,11 +289,14 @@ def rows_from(rates: Dict[str, List[float]], meta: Dict[str, tuple],
                "speedup": round(median / baseline, 3) if baseline else "",
                "formula": round(ideal, 3),
                "ratio_to_formula": round(median / baseline / ideal, 3) if baseline else ""}
-        if serial and processes > 1:
+        pipeline = processes > 1 and schedule != INDEPENDENT
+        if serial and pipeline:
             row.update(overlap_speedup=round(median / serial, 3),
                        overlap_ratio_to_formula=round(median / serial / ideal, 3))
         else:
             row.update(overlap_speedup="", overlap_ratio_to_formula="")
+        row["ratio_to_ceiling"] = (round(median / baseline / ideal / per_core, 3)
+                                   if pipeline and per_core else "")
         rows.append(row)
     return rows
 

@@ -20,6 +20,10 @@ from helpers import REPO, run_cli
 from tfdist.errors import EXIT_PREEMPTED, EXIT_USAGE_ERROR
 
 RTOL = 1e-6
+# The uninterrupted reference's length. A SIGTERM sent once "step 20/" is in the log landed
+# at steps 25-46 here (mlp, batch 32: about a millisecond a step), so a reference of 60 steps
+# left a loaded machine 14 steps of slack; 300 costs a fraction of a second.
+STEPS = 300
 FLAGS = ["--strategy=default", "--simulate_devices=0", "--model=mlp", "--optimizer=adam",
          "--global_batch_size=32", "--seed=3", "--log_every=10"]
 
@@ -58,7 +62,7 @@ def assert_resumed_exactly(reference, resumed):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("reference") / "run")
-    result, results = train(model_dir, 60, "--checkpoint_every=10")
+    result, results = train(model_dir, STEPS, "--checkpoint_every=10")
     assert result.returncode == 0, result.stderr[-2000:]
     return results, final_tensors(model_dir)
 
@@ -79,9 +83,9 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(tmp_path, uninterr
     assert process.wait(timeout=60) == EXIT_PREEMPTED
     assert "preempted (SIGTERM): saved a checkpoint at step" in log_path.read_text()
     saved = json.load(open(os.path.join(model_dir, "checkpoints.json")))["checkpoints"][-1]
-    assert 20 <= int(saved.split("-")[1]) < 60, saved
-    # The same command again (here: with the reference's 60 steps) resumes.
-    result, resumed = train(model_dir, 60)
+    assert 20 <= int(saved.split("-")[1]) < STEPS, saved
+    # The same command again (here: with the reference's STEPS) resumes.
+    result, resumed = train(model_dir, STEPS)
     assert result.returncode == 0, result.stderr[-2000:]
     reference, reference_tensors = uninterrupted
     assert_resumed_exactly(reference, resumed)
@@ -90,12 +94,12 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(tmp_path, uninterr
 
 def test_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
     model_dir = str(tmp_path / "run")
-    crashed, _ = train(model_dir, 60, "--checkpoint_every=10",
+    crashed, _ = train(model_dir, STEPS, "--checkpoint_every=10",
                        env={"TFDIST_FAILPOINT": "crash_before_commit:30"})
     assert crashed.returncode == 9
     assert json.load(open(os.path.join(model_dir, "checkpoints.json")))["checkpoints"][-1] == \
         "ckpt-20"
-    result, resumed = train(model_dir, 60, "--checkpoint_every=10")
+    result, resumed = train(model_dir, STEPS, "--checkpoint_every=10")
     assert result.returncode == 0 and resumed["start_step"] == 20
     assert_resumed_exactly(uninterrupted[0], resumed)
 
@@ -107,7 +111,7 @@ def test_corrupt_newest_checkpoint_is_named_and_skipped(tmp_path, uninterrupted)
     data_file = os.path.join(model_dir, "ckpt-30.data-00000-of-00001")
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 2)
-    result, resumed = train(model_dir, 60, "--checkpoint_every=10")
+    result, resumed = train(model_dir, STEPS, "--checkpoint_every=10")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ckpt-30 is unusable" in result.stderr and resumed["start_step"] == 20
     assert_resumed_exactly(uninterrupted[0], resumed)

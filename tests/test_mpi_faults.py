@@ -29,7 +29,7 @@ from tfdist import launch as launch_lib
 from tfdist.errors import EXIT_CLUSTER_ERROR, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.skipif(mpi_unavailable() is not None, reason=str(mpi_unavailable()))
-STEPS = 600
+STEPS = 1200    # a SIGTERM sent at step 100 landed at 137 here; about 2 ms a step, so 1,000 steps of slack
 FLAGS = ["--strategy=multi_worker_mirrored", "--collective=mpi", "--model=mlp",
          "--optimizer=adam", "--global_batch_size=32", "--seed=3", f"--train_steps={STEPS}",
          "--checkpoint_every=40", "--log_every=10"]

@@ -140,33 +140,37 @@ def independent_rate(copies: int, steps: int, flags: Sequence[str], timeout: flo
     machine's cores deliver when all compute at once, the most any S-process run can reach.
     A pipeline's formula assumes S cores that do not slow each other (shared caches, memory
     bandwidth, hyper-threads of one physical core, a hypervisor's neighbours); this row
-    measures that assumption instead of making it."""
+    measures that assumption instead of making it. Each rate is over that process's own timed
+    steps; the windows overlap but for start-up skew (well under a second against the steps)."""
     with tempfile.TemporaryDirectory() as tmp:
         processes = []
         for rank in range(copies):
-            results = os.path.join(tmp, f"r{rank}.json")
+            results, log = os.path.join(tmp, f"r{rank}.json"), os.path.join(tmp, f"r{rank}.log")
             command = [sys.executable, "-m", "tfdist.benchmarks.pinned", sys.executable, "-m",
                        "experiments.train", f"--train_steps={steps}", f"--results_json={results}",
                        *flags]
-            processes.append((subprocess.Popen(command, env=dict(env(), TFDIST_RANK=str(rank)),
-                                               cwd=REPO, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.PIPE, text=True), results))
+            with open(log, "w") as stderr:   # a file, not a pipe: nothing blocks on a full pipe
+                process = subprocess.Popen(command, env=dict(env(), TFDIST_RANK=str(rank)),
+                                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+            processes.append((process, results, log))
         deadline = time.monotonic() + timeout
         failures = []
-        for process, results in processes:
+        for process, _, log in processes:
             try:
-                _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.communicate()
+                process.wait()
                 failures.append(f"timed out after {timeout:.0f} s")
                 continue
             if process.returncode != 0:
-                failures.append(f"exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
+                with open(log) as f:
+                    last = f.read().strip().splitlines()[-1:]
+                failures.append(f"exit {process.returncode}: {last}")
         if failures:
             raise ContenderFailed(f"{copies} independent processes: {'; '.join(failures)}")
         rates = []
-        for _, results in processes:
+        for _, results, _ in processes:
             with open(results) as f:
                 rates.append(json.load(f)["examples_per_sec"])
         return sum(rates)

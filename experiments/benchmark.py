@@ -35,7 +35,8 @@ Suites:
              final weights against the uninterrupted run, examples trained twice
              (counted), steps recomputed. --checkpoint_every defaults to 20 here.
   pipeline_overlap  2 stage processes (M=8, every schedule) against 1 process, one
-             thread each, next to each schedule's formula.
+             thread each, next to each schedule's formula and to what 2 independent
+             processes at once reach (the cores' ceiling).
   torch_pipeline    tfdist's gpipe / 1f1b across 2 processes and DTensor megatron
              tensor parallelism against torch.distributed pipelining and tensor
              parallelism, 2 processes x 1 thread (torch optional).

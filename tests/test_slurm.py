@@ -101,6 +101,17 @@ def steps_to_compare(preempted_output):
     return max([STEPS] + [step + 100 for step in saved])
 
 
+def preempt_after_step_10(slurm, job_id, paths):
+    """TERM once step 10 runs, then the job's end: {"preempted": finish(...), "seconds_to_end",
+    "checkpoints": checkpoints.json's text, "steps": steps_to_compare(its output)}."""
+    term_after_step_10(slurm, job_id, paths)
+    signalled = time.monotonic()
+    ended = finish(slurm, job_id, paths)
+    return dict(preempted=ended, seconds_to_end=time.monotonic() - signalled,
+                checkpoints=read(os.path.join(paths["model_dir"], "checkpoints.json")),
+                steps=steps_to_compare(ended[1]))
+
+
 @pytest.fixture(scope="module")
 def runs(slurm, tmp_path_factory):
     """Every job of this file: a job preempted with scancel --signal=TERM, then, overlapped
@@ -110,11 +121,8 @@ def runs(slurm, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("slurm"))
     # Far more steps than STEPS: only the TERM ends this job.
     preempted = submit(slurm, out_dir, "preempted", "--train_steps=1000000")
-    term_after_step_10(slurm, *preempted)
-    signalled = time.monotonic()
-    result = dict(preempted=finish(slurm, *preempted), seconds_to_end=time.monotonic() - signalled,
-                  checkpoints=read(os.path.join(preempted[1]["model_dir"], "checkpoints.json")))
-    steps = steps_to_compare(result["preempted"][1])
+    result = preempt_after_step_10(slurm, *preempted)
+    steps = result["steps"]
     # The resubmission: same script and flags, the same --model_dir, a --train_steps to stop at.
     resumed = submit(slurm, out_dir, "resumed", f"--train_steps={steps}",
                      model_dir=preempted[1]["model_dir"])
@@ -129,8 +137,7 @@ def runs(slurm, tmp_path_factory):
         assert one_device.wait(JOB_TIMEOUT) == 0, read(f"{default_dir}.log")[-3000:]
     finally:
         one_device.kill()
-    result.update(steps=steps,
-                  uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]["model_dir"]),
+    result.update(uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]["model_dir"]),
                   resumed=finish(slurm, *resumed),
                   default=(json.load(open(f"{default_dir}.json")), default_dir))
     return result

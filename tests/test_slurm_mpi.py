@@ -29,8 +29,8 @@ import pytest
 
 from helpers import REPO
 from slurm_cluster import slurm, unavailable_reason  # noqa: F401 (fixture)
-from test_slurm import (final_tensors, read, relative_difference, steps_to_compare, task_exit_codes,
-                        term_after_step_10)
+from test_slurm import (final_tensors, preempt_after_step_10, read, relative_difference,
+                        task_exit_codes)
 from tfdist.errors import EXIT_PREEMPTED
 from tfdist.testing import equivalence
 
@@ -153,11 +153,8 @@ def runs(slurm, tmp_path_factory):
     writer = weight_writer(out_dir)
     started = time.monotonic()
     preempted = submit(slurm, out_dir, "preempted", "--train_steps=1000000")   # only TERM ends it
-    term_after_step_10(slurm, *preempted)
-    signalled = time.monotonic()
-    result = dict(preempted=finish(slurm, *preempted), seconds_to_end=time.monotonic() - signalled,
-                  checkpoints=read(os.path.join(preempted[1]["model_dir"], "checkpoints.json")))
-    steps = steps_to_compare(result["preempted"][1])
+    result = preempt_after_step_10(slurm, *preempted)
+    steps = result["steps"]
     # The resubmission: same script and flags, the same --model_dir, a --train_steps to stop at.
     resumed = submit(slurm, out_dir, "resumed", f"--train_steps={steps}",
                      model_dir=preempted[1]["model_dir"])
@@ -173,7 +170,7 @@ def runs(slurm, tmp_path_factory):
         assert one_device.wait(JOB_TIMEOUT) == 0, read(f"{default_dir}.log")[-3000:]
     finally:
         one_device.kill()
-    result.update(steps=steps, uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]),
+    result.update(uninterrupted=(*finish(slurm, *uninterrupted), uninterrupted[1]),
                   resumed=finish(slurm, *resumed), default_dir=default_dir)
     print(f"slurm-mpi jobs: {time.monotonic() - started:.0f} s in all")
     return result

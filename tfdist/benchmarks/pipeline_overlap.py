@@ -119,15 +119,20 @@ def run_rate(command: Sequence[str], results: str, timeout: float, attempts: int
     raise ContenderFailed(f"exit {result.returncode} {attempts} times: {' '.join(command)}")
 
 
+def train_command(steps: int, results: str, flags: Sequence[str], pin: bool) -> List[str]:
+    """`python -m experiments.train`, writing `results`; pin: on a core of its own."""
+    pinned = [sys.executable, "-m", "tfdist.benchmarks.pinned"] if pin else []
+    return [*pinned, sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
+            f"--results_json={results}", *flags]
+
+
 def tfdist_rate(workers: int, steps: int, flags: Sequence[str], launch_flags=(),
                 timeout: float = 1800, pin: bool = False) -> float:
     """examples/s of `python -m experiments.train FLAGS`, in one process or `workers` launched;
     pin: each process on a core of its own (tfdist.benchmarks.pinned)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "r.json")
-        pinned = [sys.executable, "-m", "tfdist.benchmarks.pinned"] if pin else []
-        train = [*pinned, sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
-                 f"--results_json={results}", *flags]
+        train = train_command(steps, results, flags, pin)
         if workers > 1:
             train = [sys.executable, "-m", "tfdist.launch", "--workers", str(workers),
                      *launch_flags, "--", *train]
@@ -146,9 +151,7 @@ def independent_rate(copies: int, steps: int, flags: Sequence[str], timeout: flo
         processes = []
         for rank in range(copies):
             results, log = os.path.join(tmp, f"r{rank}.json"), os.path.join(tmp, f"r{rank}.log")
-            command = [sys.executable, "-m", "tfdist.benchmarks.pinned", sys.executable, "-m",
-                       "experiments.train", f"--train_steps={steps}", f"--results_json={results}",
-                       *flags]
+            command = train_command(steps, results, flags, pin=True)
             with open(log, "w") as stderr:   # a file, not a pipe: nothing blocks on a full pipe
                 process = subprocess.Popen(command, env=dict(env(), TFDIST_RANK=str(rank)),
                                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)

@@ -107,3 +107,33 @@ def test_pinned_processes_take_the_cores_by_rank():
 def test_a_failing_ceiling_run_is_reported_not_summed():
     with pytest.raises(pipeline_overlap.ContenderFailed, match=r"2 independent processes: exit 2"):
         pipeline_overlap.independent_rate(2, 2, ["--model=no_such_model"], timeout=120)
+
+
+def phase_work(input_dim, hidden):
+    """Per stage of the 2-stage cut tfdist makes (the planner's, TF-free): (forward, backward)
+    matrix-product work in parameters. Every layer's backward computes its weight gradient
+    and its input gradient, except the model's first layer, which has no input gradient."""
+    from tfdist.plan import command, memory
+    flags = [flag for flag in pipeline_overlap.mlp_flags(input_dim, hidden, 64)
+             if flag.startswith(("--model", "--hidden_sizes", "--dataset", "--synthetic_shape"))]
+    _, work, _ = command.parse(["--devices=2", "--memory_per_device=8GiB",
+                                "--device_type=cpu", *flags])
+    stages = memory.pipeline_stages(work.inventory, 2)
+    first = next(layer.params for layer in stages[0] if layer.params)
+    work_of = []
+    for k, layers in enumerate(stages):
+        forward = sum(layer.params for layer in layers)
+        work_of.append((forward, 2 * forward - (first if k == 0 else 0)))
+    return work_of
+
+
+def test_the_default_model_cuts_into_stages_balanced_in_both_phases():
+    """gpipe runs each phase at its slowest stage's pace, so the suite's model must be
+    balanced in forward and backward work separately (the module docstring says why)."""
+    (forward_0, backward_0), (forward_1, backward_1) = phase_work(
+        pipeline_overlap.DEFAULT_INPUT, pipeline_overlap.DEFAULT_HIDDEN)
+    assert forward_0 / forward_1 == pytest.approx(1.0, abs=0.05)
+    assert backward_0 / backward_1 == pytest.approx(1.0, abs=0.05)
+    # The former default, 2048-2048x4-10: stage 1 has 4/3 of stage 0's backward work.
+    (_, backward_0), (_, backward_1) = phase_work(2048, (2048,) * 4)
+    assert backward_1 / backward_0 == pytest.approx(4 / 3, rel=0.01)

@@ -1,6 +1,6 @@
 """Pipeline overlap across worker processes, one thread each, against the schedule's formula.
 
-    python -m tfdist.benchmarks.pipeline_overlap [--steps 30] [--trials 4]
+    python -m tfdist.benchmarks.pipeline_overlap [--steps 6] [--trials 3]
         -> a markdown table; benchmarks/results/pipeline_overlap.{csv,md}
 
 The same compute-bound MLP and global batch run (a) in one process on one thread
@@ -28,16 +28,27 @@ but needs a second inter-op thread to hand its tensors over while it computes
 (tfdist/parallel/pipeline/cluster.py raises TF_NUM_INTEROP_THREADS=1 to 2); pinned, that
 thread cannot turn into a second core of compute, so the comparison stays one core per process.
 
-Why the global batch is 2048 (micro-batches of 256): each micro-batch's weight gradients are
-added into the step's sums, which reads and writes every weight gradient M times: at a batch
-of 512 (micro-batches of 64) that memory traffic cost 15-20% of a stage's compute on this
-machine (2 stages in 1 process at 0.73x of 1 process), at 2048 about 10%.
-
-Why the default model is 2048-2048x4-10 and not 784-4096x4-10: tfdist balances
-stages by parameter count, and the best cut of 784-4096x4-10 puts 33.6M of its
-53.7M parameters on one stage (63%), which caps 2 stages at 1.60x before any
-bubble (1.42x with M=8's bubble), so no run could come near the formula. With a
-2048-wide input every hidden layer costs the same and the cut is exact.
+Why the default model is 128-2048x5-10 at a global batch of 16384 (micro-batches of 2048
+rows): the formula assumes what this configuration gives and most models do not, and the
+suite measures whether the processes overlap, not how well a model happens to cut.
+- Stages balanced in BOTH phases. gpipe runs every forward, then every backward, so each
+  phase goes at its slowest stage's pace. Stage 0 never computes its first layer's input
+  gradient, so with equal layers it has less backward work than the last stage; an input
+  wide enough to even the totals (3072 against 2048) makes its forwards slower instead. A
+  narrow input (128) makes the first layer nearly free, and the parameter-balanced cut of
+  the four 2048x2048 products then gives each stage 2 of them in both phases (forward 2.06
+  against 2 units, backward 4.06 against 4): gpipe's ideal is 0.99 of the formula. With the
+  former 2048-2048x4-10 (stage 0: 2 forward and 3 backward units, stage 1: 2 and 4) it is
+  0.93, with a 3072 input 0.94 (tests/test_pipeline_benchmarks.py checks the cuts).
+- Micro-batches large enough to be free. Each micro-batch's weight gradients are added into
+  the step's sums (every weight gradient read and written M times), and a one-thread matrix
+  multiply is slower on fewer rows. Two stages in one process ran at 0.73x of one process
+  at micro-batches of 64 rows, 0.83-0.90x at 256, 0.90-0.99x at 1024, 0.98x at 2048
+  (the README's "Pipeline overlap" section, measured on a 2-core Xeon).
+The former default (`--input_dim 2048 --hidden_sizes 2048,2048,2048,2048
+--global_batch_size 2048`) still runs, and the README keeps its figures. 784-4096x4-10
+cannot come near the formula: tfdist balances stages by parameter count and its best cut
+puts 33.6M of 53.7M parameters (63%) on one stage, a cap of 1.42x with M=8's bubble.
 """
 
 import argparse
@@ -56,10 +67,11 @@ ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
 STAGES = 2
 MICROBATCHES = 8
 VIRTUAL_STAGES = 2
-DEFAULT_INPUT = 2048
-DEFAULT_HIDDEN = (2048,) * 4
-GLOBAL_BATCH = 512          # torch_pipeline's (the comparison with PyTorch)
-OVERLAP_GLOBAL_BATCH = 2048  # this suite's: micro-batches of 256 (see the module docstring)
+DEFAULT_INPUT = 128          # the module docstring says why these three
+DEFAULT_HIDDEN = (2048,) * 5
+OVERLAP_GLOBAL_BATCH = 16384  # micro-batches of 2048 rows
+DEFAULT_STEPS = 6            # about 10 s a step for one process at this batch
+DEFAULT_TRIALS = 3
 BASELINE = "tfdist 1 process"
 SERIAL_PIPELINE = "tfdist gpipe, 2 stages in 1 process"
 CEILING = "tfdist 1 process x2 at once, independent (the cores' ceiling)"
@@ -251,7 +263,8 @@ def load_note(before, after) -> str:
             f"(5 min: {after[1]:.1f}) on {os.cpu_count()} cores")
 
 
-def compare(steps: int = 30, trials: int = 4, input_dim: int = DEFAULT_INPUT,
+def compare(steps: int = DEFAULT_STEPS, trials: int = DEFAULT_TRIALS,
+            input_dim: int = DEFAULT_INPUT,
             hidden: Sequence[int] = DEFAULT_HIDDEN, batch: int = OVERLAP_GLOBAL_BATCH,
             microbatches: int = MICROBATCHES,
             schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
@@ -322,8 +335,9 @@ def write(rows: List[Dict], notes: Sequence[str], out_dir: str, name: str, title
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="steps per trial (first untimed)")
-    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help="steps per trial (first untimed)")
+    parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS)
     parser.add_argument("--input_dim", type=int, default=DEFAULT_INPUT)
     parser.add_argument("--hidden_sizes", default=",".join(map(str, DEFAULT_HIDDEN)))
     parser.add_argument("--global_batch_size", type=int, default=OVERLAP_GLOBAL_BATCH)

@@ -3,9 +3,9 @@
     python -m tfdist.benchmarks.torch_pipeline [--steps 30] [--trials 3]
         -> a markdown table; benchmarks/results/torch_pipeline.{csv,md}
 
-Pipeline: pipeline_overlap's MLP (2048-2048x4-10), global batch 512, SGD, S=2 stages
-in 2 processes, M=8 micro-batches; tfdist's gpipe and 1f1b (`tfdist launch --workers 2
--- python -m experiments.train --strategy=pipeline ...`) against
+Pipeline: the MLP 2048-2048x4-10 (pipeline_overlap's former default), global batch 512,
+SGD, S=2 stages in 2 processes, M=8 micro-batches; tfdist's gpipe and 1f1b (`tfdist launch
+--workers 2 -- python -m experiments.train --strategy=pipeline ...`) against
 torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B over gloo, cut where
 tfdist's balancer cuts (torch_pipeline_worker.py).
 Tensor parallelism: Megatron's MLP block 4096-16384-4096 (then the 10 logits,
@@ -31,6 +31,8 @@ from tfdist.benchmarks import pipeline_overlap as overlap
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_pipeline_worker.py")
 TP_INPUT, TP_FFN, TP_BATCH = 4096, 16384, 64
+# The pipeline comparison's MLP and batch; the README's tfdist / PyTorch figures are for these.
+PIPELINE_INPUT, PIPELINE_HIDDEN, PIPELINE_BATCH = 2048, (2048,) * 4, 512
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -96,8 +98,8 @@ def contenders(steps: int, input_dim: int, hidden: Sequence[int], batch: int, mi
     return runs
 
 
-def compare(steps: int = 30, trials: int = 3, input_dim: int = overlap.DEFAULT_INPUT,
-            hidden: Sequence[int] = overlap.DEFAULT_HIDDEN, batch: int = overlap.GLOBAL_BATCH,
+def compare(steps: int = 30, trials: int = 3, input_dim: int = PIPELINE_INPUT,
+            hidden: Sequence[int] = PIPELINE_HIDDEN, batch: int = PIPELINE_BATCH,
             microbatches: int = overlap.MICROBATCHES,
             tp: Sequence[int] = (TP_INPUT, TP_FFN, TP_BATCH), schedules: Sequence[str] = SCHEDULES,
             tensor_parallel: bool = True):
@@ -129,9 +131,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="steps per trial (first untimed)")
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--input_dim", type=int, default=overlap.DEFAULT_INPUT)
-    parser.add_argument("--hidden_sizes", default=",".join(map(str, overlap.DEFAULT_HIDDEN)))
-    parser.add_argument("--global_batch_size", type=int, default=overlap.GLOBAL_BATCH)
+    parser.add_argument("--input_dim", type=int, default=PIPELINE_INPUT)
+    parser.add_argument("--hidden_sizes", default=",".join(map(str, PIPELINE_HIDDEN)))
+    parser.add_argument("--global_batch_size", type=int, default=PIPELINE_BATCH)
     parser.add_argument("--microbatches", type=int, default=overlap.MICROBATCHES)
     parser.add_argument("--tp", default=f"{TP_INPUT},{TP_FFN},{TP_BATCH}",
                         help="tensor parallel: INPUT,FFN,BATCH")

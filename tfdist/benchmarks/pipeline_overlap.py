@@ -39,7 +39,8 @@ suite measures whether the processes overlap, not how well a model happens to cu
   the four 2048x2048 products then gives each stage 2 of them in both phases (forward 2.06
   against 2 units, backward 4.06 against 4): gpipe's ideal is 0.99 of the formula. With the
   former 2048-2048x4-10 (stage 0: 2 forward and 3 backward units, stage 1: 2 and 4) it is
-  0.93, with a 3072 input 0.94 (tests/test_pipeline_benchmarks.py checks the cuts).
+  0.93, with a 3072 input 0.94 (tests/test_pipeline_benchmarks.py checks the default's cut
+  and the former default's).
 - Micro-batches large enough to be free. Each micro-batch's weight gradients are added into
   the step's sums (every weight gradient read and written M times), and a one-thread matrix
   multiply is slower on fewer rows. Two stages in one process ran at 0.73x of one process

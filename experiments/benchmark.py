@@ -37,7 +37,7 @@ Suites:
   pipeline_overlap  2 stage processes (M=8, every schedule) against 1 process, one
              thread each, next to each schedule's formula and to what 2 independent
              processes at once reach (the cores' ceiling). MLP 128-2048x5-10, global
-             batch 16384; default --steps=6 --trials=3 (about 25 minutes here).
+             batch 16384; default --steps=6 --trials=3 (about 30 minutes here).
   torch_pipeline    tfdist's gpipe / 1f1b across 2 processes and DTensor megatron
              tensor parallelism against torch.distributed pipelining and tensor
              parallelism, 2 processes x 1 thread (torch optional).

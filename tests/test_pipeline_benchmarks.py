@@ -137,3 +137,13 @@ def test_the_default_model_cuts_into_stages_balanced_in_both_phases():
     # The former default, 2048-2048x4-10: stage 1 has 4/3 of stage 0's backward work.
     (_, backward_0), (_, backward_1) = phase_work(2048, (2048,) * 4)
     assert backward_1 / backward_0 == pytest.approx(4 / 3, rel=0.01)
+
+
+def test_the_load_note_reports_the_hypervisor_steal_of_the_run():
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
+    after = [700, 0, 150, 900, 0, 0, 0, 250, 0, 0]   # 1000 ticks spent, 200 of them stolen
+    note = pipeline_overlap.load_note((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), before, after)
+    assert note.endswith("; hypervisor steal 20.0% of CPU time")
+    assert "steal" not in pipeline_overlap.load_note((1.0,) * 3, (2.0,) * 3)   # no /proc/stat
+    ticks = pipeline_overlap.cpu_ticks()   # this machine's real counters, where it has them
+    assert ticks is None or (len(ticks) >= 8 and all(t >= 0 for t in ticks))

@@ -259,9 +259,30 @@ def alternate(runs: Dict[str, Callable[[], float]], trials: int,
     return rates
 
 
-def load_note(before, after) -> str:
+def cpu_ticks() -> Optional[List[int]]:
+    """The machine's CPU time counters (/proc/stat's first line: user, nice, system, idle,
+    iowait, irq, softirq, steal, ...), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_note(before: Optional[List[int]], after: Optional[List[int]]) -> str:
+    """The share of CPU time the hypervisor gave other guests during the run: noise this
+    machine cannot see in its own load (a shared VM's neighbours)."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return ""
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent[:8])
+    return f"; hypervisor steal {100 * spent[7] / total:.1f}% of CPU time" if total else ""
+
+
+def load_note(before, after, ticks_before=None, ticks_after=None) -> str:
     return (f"load average (1 min) {before[0]:.1f} at the start, {after[0]:.1f} at the end "
-            f"(5 min: {after[1]:.1f}) on {os.cpu_count()} cores")
+            f"(5 min: {after[1]:.1f}) on {os.cpu_count()} cores"
+            + steal_note(ticks_before, ticks_after))
 
 
 def compare(steps: int = DEFAULT_STEPS, trials: int = DEFAULT_TRIALS,
@@ -274,10 +295,10 @@ def compare(steps: int = DEFAULT_STEPS, trials: int = DEFAULT_TRIALS,
     notes: List[str] = []
     runs = contenders(steps, input_dim, hidden, batch, microbatches, schedules, notes,
                       in_process, ceiling)
-    before = os.getloadavg()
+    before, ticks = os.getloadavg(), cpu_ticks()
     rates = alternate({name: run for name, (run, _, _) in runs.items()}, trials, notes)
     notes += [f"failed attempt, retried: {line}" for line in FAILURES]
-    notes.append(load_note(before, os.getloadavg()))
+    notes.append(load_note(before, os.getloadavg(), ticks, cpu_ticks()))
     return rows_from(rates, {name: (schedule, processes)
                              for name, (_, schedule, processes) in runs.items()},
                      microbatches), notes

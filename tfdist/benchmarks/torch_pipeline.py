@@ -107,10 +107,10 @@ def compare(steps: int = 30, trials: int = 3, input_dim: int = PIPELINE_INPUT,
     notes: List[str] = []
     runs = contenders(steps, input_dim, hidden, batch, microbatches, tp, notes, schedules,
                       tensor_parallel)
-    before = os.getloadavg()
+    before, ticks = os.getloadavg(), overlap.cpu_ticks()
     rates = overlap.alternate({name: run for name, (_, _, run) in runs.items()}, trials, notes)
     notes += [f"failed attempt, retried: {line}" for line in overlap.FAILURES]
-    notes.append(overlap.load_note(before, os.getloadavg()))
+    notes.append(overlap.load_note(before, os.getloadavg(), ticks, overlap.cpu_ticks()))
     medians = {name: statistics.median(r) for name, r in rates.items() if r}
     torch_median: Dict[str, float] = {runs[n][0]: m for n, m in medians.items()
                                       if runs[n][1] == "pytorch"}

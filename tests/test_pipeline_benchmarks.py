@@ -147,3 +147,11 @@ def test_the_load_note_reports_the_hypervisor_steal_of_the_run():
     assert "steal" not in pipeline_overlap.load_note((1.0,) * 3, (2.0,) * 3)   # no /proc/stat
     ticks = pipeline_overlap.cpu_ticks()   # this machine's real counters, where it has them
     assert ticks is None or (len(ticks) >= 8 and all(t >= 0 for t in ticks))
+
+
+def test_the_cli_can_leave_out_the_ceiling_and_in_process_rows():
+    args = pipeline_overlap.parse_args(["--schedules", "gpipe,1f1b", "--no_ceiling",
+                                        "--no_in_process", "--out_dir", "/tmp/x"])
+    assert (args.ceiling, args.in_process, args.out_dir) == (False, False, "/tmp/x")
+    defaults = pipeline_overlap.parse_args([])
+    assert defaults.ceiling and defaults.in_process

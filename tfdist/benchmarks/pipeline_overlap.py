@@ -1,6 +1,7 @@
 """Pipeline overlap across worker processes, one thread each, against the schedule's formula.
 
     python -m tfdist.benchmarks.pipeline_overlap [--steps 6] [--trials 3]
+        [--schedules gpipe,1f1b] [--no_ceiling] [--no_in_process] [--out_dir DIR]
         -> a markdown table; benchmarks/results/pipeline_overlap.{csv,md}
 
 The same compute-bound MLP and global batch run (a) in one process on one thread
@@ -365,7 +366,12 @@ def parse_args(argv=None):
     parser.add_argument("--global_batch_size", type=int, default=OVERLAP_GLOBAL_BATCH)
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zero_bubble")
-    parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--no_ceiling", dest="ceiling", action="store_false",
+                        help="leave out the two independent processes (the cores' ceiling row)")
+    parser.add_argument("--no_in_process", dest="in_process", action="store_false",
+                        help="leave out the 2 stages in one process row")
+    parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"),
+                        help="where pipeline_overlap.{csv,md} go (a run replaces them)")
     return parser.parse_args(argv)
 
 
@@ -382,7 +388,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     hidden = [int(h) for h in args.hidden_sizes.split(",")]
     rows, notes = compare(args.steps, args.trials, args.input_dim, hidden,
-                          args.global_batch_size, args.microbatches, args.schedules.split(","))
+                          args.global_batch_size, args.microbatches, args.schedules.split(","),
+                          args.in_process, args.ceiling)
     print(write(rows, notes, args.out_dir, "pipeline_overlap", title(args)))
 
 

@@ -19,25 +19,35 @@ import numpy as np
 VOCABULARY, SEQ_LEN, EXAMPLES, GLOBAL_BATCH = 64, 8, 64, 16
 
 
-def gemma_backbone(num_layers: int = 2):
+def gemma_backbone(num_layers: int = 2, dtype: str = "float32"):
     import keras_hub
     return keras_hub.models.GemmaBackbone(
         vocabulary_size=VOCABULARY, num_layers=num_layers, num_query_heads=2,
         num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=16,
-        dropout=0, dtype="float32")
+        dropout=0, dtype=dtype)
 
 
-def gemma_lm(num_layers: int = 2) -> keras.Model:
+def gemma_lm(num_layers: int = 2, dtype: str = "float32") -> keras.Model:
     """{"token_ids", "padding_mask"} (batch, seq) -> next-token logits (batch, seq, vocab)."""
-    backbone = gemma_backbone(num_layers)
-    logits = keras.layers.Dense(VOCABULARY, name="lm_head")(backbone.output)
+    backbone = gemma_backbone(num_layers, dtype)
+    logits = keras.layers.Dense(VOCABULARY, name="lm_head", dtype=dtype)(backbone.output)
     return keras.Model(backbone.input, logits, name="gemma_lm")
 
 
-def compiled_gemma_lm(optimizer: str, num_layers: int = 2):
-    """A build_and_compile for tfdist.testing.equivalence.train_keras."""
+def float64_gemma_lm(num_layers: int = 2) -> keras.Model:
+    """gemma_lm in float64 with the float32 model's initial weights: built right after the
+    seed is set, the float32 model draws them exactly as gemma_lm() would."""
+    initial = gemma_lm(num_layers).get_weights()
+    model = gemma_lm(num_layers, "float64")
+    model.set_weights([w.astype("float64") for w in initial])
+    return model
+
+
+def compiled_gemma_lm(optimizer: str, num_layers: int = 2, float64: bool = False):
+    """A build_and_compile for tfdist.testing.equivalence.train_keras; float64: the same
+    training in float64 from the same initial weights (the exact run that arbitrates)."""
     def build():
-        model = gemma_lm(num_layers)
+        model = float64_gemma_lm(num_layers) if float64 else gemma_lm(num_layers)
         model.compile(optimizer=make_optimizer(optimizer),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["sparse_categorical_accuracy"])

@@ -44,6 +44,23 @@ def test_a_variable_near_zero_is_held_to_the_absolute_bound():
     assert equivalence.weight_mismatches(Record("a", [1.0], small), Record("b", [1.0], off))
 
 
+def test_the_float64_run_arbitrates_where_the_float32_reference_is_itself_off():
+    """A candidate 2e-5 from the float32 reference matches when it is within 1e-5 of the
+    float64 run and no farther from it than the reference; otherwise it is still a
+    mismatch (farther than the reference, beyond 1e-5 of float64, or no float64 run)."""
+    exact = [np.full(4, 1.0, np.float64)]
+    ref = [np.full(4, 1.0 + 1.5e-5, np.float32)]     # the reference's own rounding: 1.5e-5
+    nearer = [np.full(4, 1.0 - 0.5e-5, np.float32)]  # 2e-5 from ref, 0.5e-5 from exact
+    farther = [np.full(4, 1.0 + 3.5e-5, np.float32)]  # 2e-5 from ref, 3.5e-5 from exact
+    a, b = Record("a", [1.0], ref), Record("b", [1.0], nearer)
+    assert equivalence.weight_mismatches(a, b)                     # no arbiter: 2e-5 apart
+    assert not equivalence.weight_mismatches(a, b, exact=exact)
+    assert equivalence.weight_mismatches(a, Record("b", [1.0], farther), exact=exact)
+    assert equivalence.weight_mismatches(a, b, exact=[np.ones(3)])  # wrong shape: no arbiter
+    # within 1e-5 of float64 is required even when the reference is farther still
+    assert not equivalence.closer_to_exact(np.full(4, 1.00002), np.full(4, 1.00003), exact[0])
+
+
 def test_nothing_to_compare_is_a_mismatch():
     empty = Record("a", [], [])
     assert equivalence.weight_mismatches(empty, Record("b", [], [])) == [

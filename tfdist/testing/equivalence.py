@@ -72,10 +72,35 @@ def loss_mismatches(reference: Record, candidate: Record, rtol: float = RTOL) ->
     return out
 
 
-def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL) -> List[str]:
+def relative_error(got, ref) -> float:
+    """||got - ref|| / ||ref||, in float64."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12))
+
+
+def closer_to_exact(got, ref, exact, rtol: float = RTOL) -> bool:
+    """Whether `got` is within rtol of `exact` (the same training in float64) and at least
+    as close to it as the float32 reference `ref`: then what separates got from ref is the
+    reference's own rounding, not a defect of the mode (see weight_mismatches)."""
+    if exact is None or np.shape(exact) != np.shape(got):
+        return False
+    to_exact = relative_error(got, exact)
+    return to_exact <= rtol and to_exact <= relative_error(ref, exact)
+
+
+def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
+                      exact: Optional[List[np.ndarray]] = None) -> List[str]:
     """Per variable: same shape, then relative norm within `rtol`. A record without
     weights is a ValueError (the caller compared nothing); different counts, or none
-    at all, are mismatches."""
+    at all, are mismatches.
+
+    `exact`, when given, is the reference's training in float64 (same initial weights):
+    a variable farther than rtol from the reference still matches if it is within rtol
+    of the float64 values and no farther from them than the reference is. Why: the
+    one-device float32 run is itself not exact. Adam divides each gradient by its own
+    running magnitude, so where gradients nearly cancel (a zero-initialised norm scale)
+    float32's rounding in a different summation order grows past 1e-5, and which run
+    lands nearer the exact values is then a matter of order, not of correctness."""
     for record in (reference, candidate):
         if record.weights is None:
             raise ValueError(f"record {record.label!r} has no weights (from_results_json "
@@ -94,7 +119,9 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL) 
         error = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
         largest = float(np.max(np.abs(got - ref))) if ref.size else 0.0
         errors.append(float(error))
-        if not (error <= rtol or largest <= ATOL):  # also NaN
+        exact_value = exact[index] if exact is not None and index < len(exact) else None
+        if not (error <= rtol or largest <= ATOL  # also NaN
+                or closer_to_exact(got, ref, exact_value, rtol)):
             out.append(f"weight {index} {ref.shape}: relative error {error:.2e}, largest "
                        f"difference {largest:.1e}")
     _report(reference, candidate, weights=len(errors), max_weight_error=max(errors, default=None))
@@ -278,14 +305,19 @@ def check_equivalence(build_and_compile, x, y=None, *, strategy: str, seed: int 
     return compare_runs(reference, candidate, rtol)
 
 
-def compare_runs(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL) -> Report:
+def compare_runs(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL,
+                 exact: Optional[KerasRun] = None) -> Report:
+    """`exact`: the reference's training in float64 from the same initial weights, to
+    arbitrate variables on which the float32 reference is itself off (weight_mismatches)."""
     ref_record = reference.record()
     problems = loss_mismatches(ref_record, candidate.record(), rtol)
     first_step = _first_step(problems)
     first_variable = None
+    exact_weights = exact.record().weights if exact is not None else None
     for replica, weights in candidate.replica_weights.items():
         found = weight_mismatches(ref_record, Record(f"{candidate.label} {replica}",
-                                                     candidate.losses, weights), rtol)
+                                                     candidate.losses, weights), rtol,
+                                  exact_weights)
         problems += [f"{replica}: {p}" for p in found]
         if found and first_variable is None:
             first_variable = _first_variable(found, reference.paths)

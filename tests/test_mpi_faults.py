@@ -94,7 +94,7 @@ def assert_resumed_exactly(model_dir, results_path, uninterrupted):
 def test_sigterm_checkpoints_exits_4_and_the_rerun_resumes_exactly(tmp_path, uninterrupted):
     model_dir, results, log_path = tmp_path / "run", tmp_path / "results.json", tmp_path / "log"
     process = start(model_dir, results, log_path)
-    wait_for_text(log_path, "step 100/", timeout=180)
+    wait_for_text(log_path, "step 100/", timeout=180, process=process)
     process.send_signal(signal.SIGTERM)
     assert finish(process, log_path) == EXIT_PREEMPTED, log_path.read_text()[-3000:]
     log = log_path.read_text()
@@ -107,7 +107,7 @@ def test_sigterm_checkpoints_exits_4_and_the_rerun_resumes_exactly(tmp_path, uni
 def test_killed_rank_restarts_the_job_and_it_resumes_exactly(tmp_path, uninterrupted):
     model_dir, results, log_path = tmp_path / "run", tmp_path / "results.json", tmp_path / "log"
     process = start(model_dir, results, log_path, "--max_restarts", "1")
-    wait_for_text(log_path, "step 100/", timeout=180)
+    wait_for_text(log_path, "step 100/", timeout=180, process=process)
     os.kill(mpi_rank_pids(process.pid)[1], signal.SIGKILL)
     assert finish(process, log_path) == 0, log_path.read_text()[-3000:]
     assert "restart 1/1" in log_path.read_text()
@@ -119,7 +119,7 @@ def test_stopped_rank_ends_the_other_with_exit_3_and_nothing_is_left(tmp_path):
     log_path = tmp_path / "log"
     process = start(tmp_path / "run", tmp_path / "results.json", log_path,
                     extra=["--train_steps=100000", "--collective_timeout=10"])
-    wait_for_text(log_path, "step 100/", timeout=180)
+    wait_for_text(log_path, "step 100/", timeout=180, process=process)
     ranks = mpi_rank_pids(process.pid)
     os.kill(ranks[1], signal.SIGSTOP)
     stopped = time.monotonic()

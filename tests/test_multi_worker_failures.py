@@ -98,13 +98,30 @@ def start_worker(ports, index, log_path, collective="auto"):
                             stderr=subprocess.STDOUT)
 
 
-def wait_for_text(path, text, timeout):
+def wait_for_text(path, text, timeout, process=None):
+    """Until `text` is in the file at `path`; fails at once, with the log, if `process`
+    (the one writing it) ends first, instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if text in open(path).read():
             return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{text!r} not in {path}: its process ended with exit "
+                                 f"{process.returncode} first:\n{open(path).read()[-2000:]}")
         time.sleep(0.2)
     raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{open(path).read()[-2000:]}")
+
+
+def test_waiting_for_a_log_line_ends_when_its_process_does(tmp_path):
+    """A launch that fails at start (Open MPI once ended mpirun with 'The PMIx server's
+    listener thread failed to start', exit 213) fails the test at once, not after 180 s."""
+    log_path = tmp_path / "log"
+    process = subprocess.Popen([sys.executable, "-c", "print('no steps here'); raise SystemExit(5)"],
+                               stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="ended with exit 5 first:\n.*no steps here"):
+        wait_for_text(log_path, "step 100/", timeout=180, process=process)
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("collective", ["auto", "tcp", "shm"])

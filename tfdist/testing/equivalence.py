@@ -98,8 +98,8 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
     a variable farther than rtol from the reference still matches if it is within rtol
     of the float64 values and no farther from them than the reference is. Why: the
     one-device float32 run is itself not exact. Adam divides each gradient by its own
-    running magnitude, so where gradients nearly cancel (a zero-initialised norm scale)
-    float32's rounding in a different summation order grows past 1e-5, and which run
+    running magnitude, so where gradients are small (a zero-initialised norm scale)
+    float32's rounding in another order of operations can grow past 1e-5, and which run
     lands nearer the exact values is then a matter of order, not of correctness."""
     for record in (reference, candidate):
         if record.weights is None:

@@ -57,6 +57,8 @@ def test_the_float64_run_arbitrates_where_the_float32_reference_is_itself_off():
     assert not equivalence.weight_mismatches(a, b, exact=exact)
     assert equivalence.weight_mismatches(a, Record("b", [1.0], farther), exact=exact)
     assert equivalence.weight_mismatches(a, b, exact=[np.ones(3)])  # wrong shape: no arbiter
+    with pytest.raises(ValueError, match="the float64 run has 2 weights, 'a' has 1"):
+        equivalence.weight_mismatches(a, b, exact=exact * 2)          # not the same model
     # within 1e-5 of float64 is required even when the reference is farther still
     assert not equivalence.closer_to_exact(np.full(4, 1.00002), np.full(4, 1.00003), exact[0])
 

@@ -105,6 +105,9 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
         if record.weights is None:
             raise ValueError(f"record {record.label!r} has no weights (from_results_json "
                              f"without weights=?): cannot compare weights")
+    if exact is not None and len(exact) != len(reference.weights):
+        raise ValueError(f"the float64 run has {len(exact)} weights, {reference.label!r} has "
+                         f"{len(reference.weights)}: it is not the same model")
     if len(reference.weights) != len(candidate.weights):
         return [f"{candidate.label} has {len(candidate.weights)} weights, "
                 f"{reference.label} has {len(reference.weights)}"]
@@ -116,10 +119,10 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
         if ref.shape != got.shape:  # before any arithmetic: numpy would broadcast
             out.append(f"weight {index}: shape {got.shape} vs {ref.shape}")
             continue
-        error = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
+        error = relative_error(got, ref)
         largest = float(np.max(np.abs(got - ref))) if ref.size else 0.0
         errors.append(float(error))
-        exact_value = exact[index] if exact is not None and index < len(exact) else None
+        exact_value = exact[index] if exact is not None else None
         if not (error <= rtol or largest <= ATOL  # also NaN
                 or closer_to_exact(got, ref, exact_value, rtol)):
             out.append(f"weight {index} {ref.shape}: relative error {error:.2e}, largest "
@@ -333,8 +336,7 @@ def describe_errors(reference: KerasRun, candidate: KerasRun) -> str:
     """The largest per-step relative loss error and per-variable relative weight error
     (over every replica), for test logs and README tables."""
     loss = max_relative_loss_error(reference.record(), candidate.record())
-    weight = max(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-12)
-                 for weights in candidate.replica_weights.values()
+    weight = max(relative_error(g, r) for weights in candidate.replica_weights.values()
                  for r, g in zip(reference.record().weights, weights))
     return f"max loss error {loss:.1e}, max weight error {weight:.1e}"
 

@@ -4,7 +4,9 @@ A pipeline replica is a clone of the reference model (built by model_fn on the
 host CPU) in which every layer is *called, and therefore built,* under
 `tf.device(its stage's device)`: Keras creates a layer's variables on its first
 call, so they are created on that device (public API: clone_model's
-call_function). The clone then copies the reference weights exactly, so every
+call_function; a nested model is built under its stage's device as it is copied).
+The clone is the user's model as built (copying.py: custom layers, trainable flags
+of every sub-layer and weight) and copies the reference weights exactly, so every
 replica starts from the single-device initialisation.
 
 With the interleaved schedule the partition has S * V stages (model chunks) for S
@@ -30,6 +32,7 @@ from typing import Callable, List, Tuple
 import keras
 import tensorflow as tf
 
+from tfdist.parallel.pipeline import copying
 from tfdist.parallel.pipeline.partition import (BoundaryTensor, Partition, chain_layers,
                                                 flat_tensors)
 
@@ -83,8 +86,7 @@ def place_replica(reference: keras.Model, partition: Partition, devices: List[st
     if isinstance(reference, keras.Sequential):
         # clone_model's call_function needs a functional model; same layers, same order.
         reference = keras.Model(reference.inputs, reference.outputs, name=reference.name)
-    clone = keras.models.clone_model(reference, call_function=call_on_stage_device)
-    clone.set_weights(reference.get_weights())
+    clone = copying.copy_model(reference, call_on_stage_device, device_of.get)
     stages = []
     for stage in partition.stages:
         sub_model, sends = _stage_model(clone, partition, stage.index)

@@ -1,0 +1,229 @@
+"""The pipeline runs the user's model as the user built it (tfdist/parallel/pipeline/
+copying.py): keras-io's custom layers (no **kwargs in __init__), frozen layers (top-level,
+inside a custom layer, inside a nested model) and non-trainable weights, each against one
+device within 1e-5 over 8 steps, every replica's weights included; and a layer that cannot
+be copied onto a stage is refused before training, with its name and the fix.
+
+The transformer reproduces keras-io's "Text classification with Transformer"
+(TokenAndPositionEmbedding, TransformerBlock, as written there: `super().__init__()`,
+no get_config), at small sizes and dropout rate 0.
+"""
+
+import functools
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers, ops
+
+import tfdist
+from tfdist.errors import UsageError
+from tfdist.parallel.pipeline import PipelineParallelism, copying
+from tfdist.testing import equivalence
+
+MAXLEN, VOCAB, EMBED, HEADS, FF = 8, 20, 8, 2, 8
+EXAMPLES, GLOBAL_BATCH = 64, 8    # one epoch: 8 steps
+FIT = dict(batch_size=GLOBAL_BATCH, epochs=1)
+LAYOUTS = {
+    "2x4": dict(simulate_devices=2, pipeline_stages=2, microbatches=4),
+    "hybrid_2x2": dict(simulate_devices=4, pipeline_stages=2, microbatches=2),
+}
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
+              "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+# ---------------------------------------------------------------- keras-io's layers, verbatim
+
+class TokenAndPositionEmbedding(layers.Layer):
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        positions = ops.arange(start=0, stop=maxlen, step=1)
+        positions = self.pos_emb(positions)
+        x = self.token_emb(x)
+        return x + positions
+
+
+class TransformerBlock(layers.Layer):
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential(
+            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def keras_io_transformer(optimizer: str, frozen: bool = False):
+    """build_and_compile for keras-io's text classifier; `frozen`: the first Dense of the
+    block's feed-forward and the top-level Dense are frozen after construction."""
+    def build():
+        inputs = layers.Input(shape=(MAXLEN,))
+        x = TokenAndPositionEmbedding(MAXLEN, VOCAB, EMBED)(inputs)
+        block = TransformerBlock(EMBED, HEADS, FF, rate=0.0)
+        x = block(x)
+        x = layers.GlobalAveragePooling1D()(x)
+        hidden = layers.Dense(20, activation="relu")
+        x = hidden(x)
+        outputs = layers.Dense(2, activation="softmax")(x)
+        model = keras.Model(inputs=inputs, outputs=outputs)
+        if frozen:
+            block.ffn.layers[0].trainable = False
+            hidden.trainable = False
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        return model
+    return build
+
+
+def token_data():
+    rng = np.random.default_rng(7)
+    return (rng.integers(0, VOCAB, (EXAMPLES, MAXLEN)).astype("float32"),
+            rng.integers(0, 2, (EXAMPLES,)))
+
+
+# ---------------------------------------------------------------- non-trainable weights
+
+class FixedScale(layers.Layer):
+    """A buffer: a non-trainable weight the forward pass reads (no **kwargs either)."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units = units
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(self.units,), initializer="random_normal",
+                                     trainable=False)
+
+    def call(self, x):
+        return x * self.scale
+
+
+class ExamplesSeen(layers.Layer):
+    """A non-trainable weight updated in call: how many training examples went through."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.seen.assign_add(ops.cast(ops.shape(x)[0], self.seen.dtype))
+        return x
+
+
+def buffered_model(optimizer: str, count_examples: bool = False):
+    """A nested functional encoder (Dense, frozen BatchNormalization: inference mode, its
+    moving statistics non-trainable) then a FixedScale buffer, [ExamplesSeen,] a head."""
+    def build():
+        encoder_in = layers.Input((6,))
+        norm = layers.BatchNormalization(
+            moving_mean_initializer="random_normal", moving_variance_initializer="ones")
+        encoded = norm(layers.Dense(12, activation="tanh")(encoder_in))
+        encoder = keras.Model(encoder_in, encoded, name="encoder")
+        norm.trainable = False
+        inputs = layers.Input((6,))
+        x = FixedScale(12)(encoder(inputs))
+        if count_examples:
+            x = ExamplesSeen(name="examples_seen")(x)
+        x = layers.Dense(12, activation="relu")(x)
+        model = keras.Model(inputs, layers.Dense(3, activation="softmax")(x))
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="sparse_categorical_crossentropy")
+        return model
+    return build
+
+
+def feature_data():
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(EXAMPLES, 6)).astype("float32"), rng.integers(0, 3, (EXAMPLES,))
+
+
+# ---------------------------------------------------------------- helpers
+
+@functools.lru_cache(maxsize=None)
+def one_device(model: str, optimizer: str, frozen: bool = False):
+    build, (x, y) = case(model, optimizer, frozen)
+    return equivalence.train_keras("default", build, x, y, fit_kwargs=FIT)
+
+
+def case(model: str, optimizer: str, frozen: bool = False):
+    if model == "transformer":
+        return keras_io_transformer(optimizer, frozen), token_data()
+    return buffered_model(optimizer, count_examples=frozen), feature_data()
+
+
+def pipeline_run(model: str, optimizer: str, layout: str, frozen: bool = False):
+    build, (x, y) = case(model, optimizer, frozen)
+    return equivalence.train_keras("pipeline", build, x, y, fit_kwargs=FIT,
+                                   label=f"pipeline {layout}", **LAYOUTS[layout])
+
+
+def replicas(layout: str) -> int:
+    return LAYOUTS[layout]["simulate_devices"] // LAYOUTS[layout]["pipeline_stages"]
+
+
+def assert_exact(reference, candidate, replicas: int):
+    report = equivalence.compare_runs(reference, candidate)
+    print(f"{candidate.label}: {equivalence.describe_errors(reference, candidate)}")
+    assert len(reference.losses) == EXAMPLES // GLOBAL_BATCH
+    assert len(candidate.replica_weights) == replicas
+    assert report.equivalent, str(report)
+
+
+def initial_weights_and_frozen(build):
+    """The model's initial weights (train_keras seeds, then builds) and the indices of
+    its non-trainable ones."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    trainable = {id(w) for w in model.trainable_weights}
+    return model.get_weights(), [i for i, w in enumerate(model.weights)
+                                 if id(w) not in trainable]
+
+
+# ---------------------------------------------------------------- exactness
+
+@pytest.mark.parametrize("optimizer,layout", [("sgd", "2x4"), ("adam", "2x4"),
+                                              ("sgd", "hybrid_2x2")])
+def test_keras_io_transformer_without_kwargs_trains_like_one_device(optimizer, layout):
+    candidate = pipeline_run("transformer", optimizer, layout)
+    assert_exact(one_device("transformer", optimizer), candidate, replicas(layout))
+
+
+@pytest.mark.parametrize("layout", ["2x4", "hybrid_2x2"])
+def test_frozen_sub_layers_stay_bit_identical_and_the_rest_trains_exact(layout):
+    """Frozen: a top-level Dense and a Dense inside the custom block's nested Sequential."""
+    initial, frozen = initial_weights_and_frozen(keras_io_transformer("sgd", frozen=True))
+    assert len(frozen) == 4, frozen   # two kernels, two biases
+    candidate = pipeline_run("transformer", "sgd", layout, frozen=True)
+    for replica, weights in candidate.replica_weights.items():
+        for index in frozen:
+            assert np.array_equal(weights[index], initial[index]), (replica, index)
+    assert_exact(one_device("transformer", "sgd", frozen=True), candidate, replicas(layout))
+
+
+def test_buffers_and_a_frozen_batch_norm_in_a_nested_model_behave_like_one_device():
+    initial, frozen = initial_weights_and_frozen(buffered_model("adam"))
+    # BatchNorm's 4 (frozen: gamma, beta and both moving statistics) and FixedScale's scale.
+    assert len(frozen) == 5, frozen
+    candidate = pipeline_run("buffered", "adam", "2x4")
+    for index in frozen:
+        assert np.array_equal(candidate.replica_weights["replica 0"][index], initial[index])
+    assert_exact(one_device("buffered", "adam"), candidate, replicas("2x4"))

@@ -10,20 +10,20 @@ runs on device r*S + c mod S). Each global step takes R consecutive per-replica
 batches (one input pipeline), splits each into M micro-batches and runs the
 schedule (schedule.py); a step is mathematically the full-batch step of one device.
 Modules: partition.py (where to cut), placement.py (what lives where),
-schedule.py (the step).
+copying.py (the user's model as built, in every replica), split_state.py (layers a
+split batch cannot hold), schedule.py (the step).
 """
 
 import collections
 import logging
 from typing import Dict, List
 
-import keras
 import tensorflow as tf
 
 from tfdist import config as config_lib, devices as devices_lib
 from tfdist.errors import require
 from tfdist.parallel.base import Parallelism, add_bytes
-from tfdist.parallel.pipeline import placement, schedule
+from tfdist.parallel.pipeline import placement, schedule, split_state
 from tfdist.parallel.pipeline.partition import Partition, partition_model, refuse_uncuttable
 from tfdist.train import clipping, step as step_math
 
@@ -75,6 +75,7 @@ class PipelineParallelism(Parallelism):
             reference = model_fn()
         refuse_uncuttable(reference)
         self._refuse_batch_statistics(reference)
+        self._refuse_state_updates(reference)
         self._refuse_inexact_losses(reference)
         self.reference = reference
         self.partition = partition_model(reference, self.num_stages, self.split,
@@ -135,18 +136,33 @@ class PipelineParallelism(Parallelism):
         pipeline_checkpoint.spread_restored(self.replicas)
 
     def _refuse_batch_statistics(self, model) -> None:
-        """BatchNorm over a micro-batch (or one replica's batch) is not the full-batch math."""
+        """BatchNorm over a micro-batch (or one replica's batch) is not the full-batch math;
+        at any depth, unless frozen (then it runs on its moving statistics: exact)."""
         if self.microbatches == 1 and self.num_replicas == 1:
             return
-        norms = [layer.name for layer in model.layers
-                 if isinstance(layer, keras.layers.BatchNormalization)]
+        norms = split_state.batch_statistics_layers(model)
         require(not norms,
                 f"Model '{model.name}' has BatchNormalization ({', '.join(norms[:3])}"
                 f"{', ...' if len(norms) > 3 else ''}), which would normalise each of the "
                 f"--microbatches={self.microbatches} micro-batches of each of the "
                 f"{self.num_replicas} replica(s) on its own statistics, not the global "
-                f"batch's. Use --microbatches=1 with as many devices as stages, or a model "
-                f"without BatchNorm.")
+                f"batch's. Use --microbatches=1 with as many devices as stages, freeze it "
+                f"(trainable=False: inference mode), or a model without BatchNorm.")
+
+    def _refuse_state_updates(self, model) -> None:
+        """A weight its forward pass writes would be written once per micro-batch and
+        replica copy, each from its part of the batch."""
+        if self.microbatches == 1 and self.num_replicas == 1:
+            return
+        writers = split_state.layers_writing_weights(model)
+        require(not writers,
+                f"Model '{model.name}': layer {'; '.join(writers[:3])}"
+                f"{'; ...' if len(writers) > 3 else ''} in its training call. Under "
+                f"--strategy=pipeline each of the --microbatches={self.microbatches} "
+                f"micro-batches of each of the {self.num_replicas} replica(s) would write "
+                f"it from its own part of the batch, not once from the global batch as one "
+                f"device does. Use --microbatches=1 with as many devices as stages, or "
+                f"train with mirrored, multi_worker_mirrored or dtensor.")
 
     def distribute(self, dataset_fn):
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,

@@ -14,8 +14,9 @@ after their initialisation.
 
 from typing import Dict
 
-import keras
 import tensorflow as tf
+
+from tfdist.parallel.pipeline import copying
 
 
 def _key(path: str) -> str:
@@ -75,7 +76,8 @@ class HostCopy:
     def __init__(self, replicas, host_device: str):
         self.replicas = replicas
         with tf.device(host_device):
-            self.model = keras.models.clone_model(replicas[0].model)   # same layers and names
+            # Same layers and names, user layers and trainable flags as the replicas'.
+            self.model = copying.copy_model(replicas[0].model)
             self.optimizer_state = {
                 key: tf.Variable(tf.zeros(variable.shape, variable.dtype), trainable=False,
                                  name=f"host_{key}")

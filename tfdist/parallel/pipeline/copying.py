@@ -24,6 +24,7 @@ UsageError naming it and the fix, before any training.
 """
 
 import contextlib
+import re
 from typing import Callable, Optional
 
 import keras
@@ -34,6 +35,8 @@ from tfdist.errors import UsageError, require
 # Keys Keras' base Layer.get_config adds to every config; an __init__ without **kwargs
 # does not take them.
 BASE_KEYS = ("name", "trainable", "dtype")
+# How Keras' from_config wraps the constructor's own error (keras/src/ops/operation.py).
+WRAPPED = "Exception encountered:"
 FIX = ("Fix: give its __init__ a **kwargs argument and pass it to super().__init__(**kwargs), "
        "and define get_config() returning every __init__ argument (from_config too if one is "
        "not plain data), so that keras.models.clone_model can rebuild it; or train with "
@@ -125,15 +128,19 @@ def _from_config_without_base_keys(layer, config: dict):
 
 def _cannot_copy(layer, why: str, error: Exception) -> str:
     return (f"Layer '{layer.name}' ({type(layer).__name__}) cannot be copied onto a "
-            f"pipeline stage: {why} ({type(error).__name__}: {_first_line(error)}). "
+            f"pipeline stage: {why} ({type(error).__name__}: {_gist(error)}). "
             f"--strategy=pipeline rebuilds every layer on its stage's device from its "
             f"config, as keras.models.clone_model does. {FIX}")
 
 
-def _first_line(error: Exception, limit: int = 300) -> str:
-    """The gist of an upstream error, without its multi-line example code."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
+def _gist(error: Exception, limit: int = 300) -> str:
+    """An upstream error's reason in one line: Keras' "Exception encountered:" paragraph
+    when it wraps one, else its first paragraph (not its example code)."""
+    paragraphs = [" ".join(line.strip() for line in block.splitlines() if line.strip())
+                  for block in re.split(r"\n\s*\n", str(error))]
+    paragraphs = [p for p in paragraphs if p] or [""]
+    wrapped = [p for p in paragraphs if p.startswith(WRAPPED)]
+    text = wrapped[0][len(WRAPPED):].strip() if wrapped else paragraphs[0]
     return text if len(text) <= limit else text[:limit] + "..."
 
 

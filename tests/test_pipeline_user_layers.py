@@ -370,7 +370,25 @@ def test_a_nested_model_is_built_on_its_stage_device():
     assert np.array_equal(replica.model.get_weights()[0], model.get_weights()[0])
 
 
+def test_a_lambda_layer_and_keras_ops_calls_are_copied_exactly():
+    """keras-io examples use Lambda(lambda t: ...): Keras' own from_config refuses a Python
+    lambda outside a deserialization scope; the copy keeps the user's function."""
+    inputs = keras.Input((4,))
+    x = layers.Lambda(lambda t: t * 2.0, name="double")(inputs)
+    x = layers.Dense(3, name="head")(x + 1.0)
+    model = keras.Model(inputs, x)
+    copy = copying.copy_model(model)
+    features = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    assert np.array_equal(np.asarray(copy(features)), np.asarray(model(features)))
+    assert [op.name for op in copy.operations][1:] == ["double", "add", "head"]
+
+
 # ---------------------------------------------------------------- canaries
+
+def test_keras_lambda_from_config_still_takes_safe_mode():
+    """copying._from_config passes safe_mode=False for the user's live Lambda layers."""
+    assert "safe_mode" in inspect.signature(keras.layers.Lambda.from_config).parameters
+
 
 def test_keras_still_lists_nested_layers_parents_first():
     """copying.all_layers (Layer._flatten_layers, private: keras-team/keras#4398) and

@@ -31,7 +31,7 @@ from tfdist import cluster, devices, rendezvous
 from tfdist.errors import ClusterError, UsageError, require
 from tfdist.parallel import mpi, ring_auth, shm_ring, tcp_ring, watchdog
 from tfdist.parallel.strategy import StrategyParallelism
-from tfdist.train import keras_fixes, step as step_math
+from tfdist.train import keras_fixes, sparse_rows, step as step_math
 
 log = logging.getLogger("tfdist")
 COLLECTIVES = {
@@ -152,8 +152,8 @@ class MultiWorkerParallelism(StrategyParallelism):
     """StrategyParallelism whose chief is worker 0 (non-chiefs write to scratch dirs)."""
 
     def __init__(self, strategy, local_devices, tf_config: cluster.TFConfig,
-                 collective_timeout: float):
-        super().__init__("multi_worker_mirrored", strategy, local_devices)
+                 collective_timeout: float, batch_statistics: str = "global"):
+        super().__init__("multi_worker_mirrored", strategy, local_devices, batch_statistics)
         self.tf_config = tf_config
         self.is_chief = tf_config.is_chief
         self.ring = None           # a TcpRing with --collective=tcp or shm (connect_ring)
@@ -364,7 +364,8 @@ def build_multi_worker(config) -> MultiWorkerParallelism:
     strategy = build_strategy(config, tf_config, local)
     log.info("worker %d of %d (%s), %d local replica(s)", tf_config.rank,
              tf_config.num_workers, "chief" if tf_config.is_chief else "not chief", len(local))
-    parallel = MultiWorkerParallelism(strategy, local, tf_config, config.collective_timeout)
+    parallel = MultiWorkerParallelism(strategy, local, tf_config, config.collective_timeout,
+                                      config.batch_statistics)
     if config.collective in RING_COLLECTIVES and tf_config.rank is not None:
         parallel.ring = parallel.summer = connect_ring(parallel, config.collective_timeout,
                                                        config.collective)
@@ -451,14 +452,16 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
     """The replica step with gradients and loss summed in one buffer by `reducer`
     (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays).
 
-    Sparse gradients (tf.IndexedSlices from an embedding lookup) are gathered, not
-    summed dense: Keras applies IndexedSlices slice by slice (Adam's second moment
-    squares each slice before slices of one row add up), so the dense sum would give
-    another update than one device does (measured: 1.25e-2 relative on the
-    transformer's losses). Each worker writes its slices into its own block of a
-    zero buffer n times as long, and the sum of those buffers is the concatenation of
-    every worker's slices, exactly (x + 0 == x), which is what TF's own collectives
-    do for IndexedSlices and what the one-device batch holds.
+    Sparse gradients (tf.IndexedSlices from an embedding lookup) whose rows the
+    batch chose are gathered, not summed dense: Keras applies IndexedSlices slice by
+    slice (Adam's second moment squares each slice before slices of one row add up),
+    so the dense sum would give another update than one device does (measured:
+    1.25e-2 relative on the transformer's losses). Each worker writes its slices into
+    its own block of a zero buffer n times as long, and the sum of those buffers is
+    the concatenation of every worker's slices, exactly (x + 0 == x), which is what
+    TF's own collectives do for IndexedSlices and what the one-device batch holds.
+    Rows the batch did not choose (a position table) are summed row by row
+    (tfdist/train/sparse_rows.py).
     `on_trace(shapes)`, if given, is called in Python while the step is traced, with
     the shapes of the arrays every step will sum.
     """
@@ -474,18 +477,28 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
     def replica_step(batch):
         x, y, w = step_math.split_batch(batch)
         loss, grads, y_pred = loss_and_grads(x, y, w)
-        packed = [SparseBlocks(g, v, rank, num_workers) if isinstance(g, tf.IndexedSlices)
-                  else g for g, v in zip(grads, variables)]
-        tensors = [t for g in packed for t in (g.tensors if isinstance(g, SparseBlocks) else [g])]
-        tensors.append(loss)
-        if on_trace is not None:
-            on_trace([tuple(t.shape) for t in tensors])
-        summed = tf.numpy_function(sum_keeping_the_loss, tensors, [tf.float32] * len(tensors),
-                                   stateful=True)
-        summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
+        summed_loss = []
+
+        def all_reduce(items, owners):
+            """The items and the loss summed in one call of the reducer."""
+            packed = [SparseBlocks(item, owner, rank, num_workers)
+                      if isinstance(item, tf.IndexedSlices) else item
+                      for item, owner in zip(items, owners)]
+            tensors = [t for g in packed
+                       for t in (g.tensors if isinstance(g, SparseBlocks) else [g])]
+            tensors.append(loss)
+            if on_trace is not None:
+                on_trace([tuple(t.shape) for t in tensors])
+            summed = tf.numpy_function(sum_keeping_the_loss, tensors,
+                                       [tf.float32] * len(tensors), stateful=True)
+            summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
+            summed_loss.append(summed[-1])
+            return unpack_gradients(packed, summed[:-1])
+
+        summed_grads = sparse_rows.reduce_across(grads, all_reduce, variables)
         with keras_fixes.gradients_already_summed(optimizer):
-            optimizer.apply(unpack_gradients(packed, summed[:-1]), variables)
-        return summed[-1], step_math.outputs_of(y, y_pred, w)
+            optimizer.apply(summed_grads, variables)
+        return summed_loss[0], step_math.outputs_of(y, y_pred, w)
 
     return replica_step
 

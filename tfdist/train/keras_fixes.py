@@ -26,6 +26,7 @@ summed its gradients itself (--collective=tcp) apply them without a second sum.
 import contextlib
 import json
 import os
+import threading
 import types
 
 import keras
@@ -121,6 +122,9 @@ def backed_up_epoch(backup_dir: str) -> int:
         return int(json.load(f)["epoch"])
 
 
+_SUMMED_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def gradients_already_summed(optimizer):
     """While tracing `optimizer.apply`, skips Keras' own cross-replica gradient sum.
@@ -128,18 +132,26 @@ def gradients_already_summed(optimizer):
     Keras 3's TF optimizer always all-reduces gradients in a replica context
     (`_all_reduce_sum_gradients`, called by `_backend_update_step`); tf.keras had
     `experimental_aggregate_gradients=False` for callers that summed already, Keras 3
-    has no public switch (keras-team/keras#19308, open). --collective=tcp sums them
-    itself, so the private method is replaced on these instances for the trace.
+    has no public switch (keras-team/keras#19308, open). tfdist's steps sum them
+    themselves (tfdist/train/step.py, --collective=tcp), so the private method is
+    replaced on these instances for the trace. Re-entrant: MirroredStrategy traces
+    every replica's step in its own thread, each entering this with the same
+    optimizer; the method comes back when the last one leaves.
     Pinned by tests/test_upstream_canaries.py.
     """
     optimizers = [optimizer] + [o for o in [getattr(optimizer, "inner_optimizer", None)] if o]
-    for each in optimizers:
-        each._all_reduce_sum_gradients = _unchanged
+    with _SUMMED_LOCK:
+        for each in optimizers:
+            each._tfdist_summed_depth = getattr(each, "_tfdist_summed_depth", 0) + 1
+            each._all_reduce_sum_gradients = _unchanged
     try:
         yield
     finally:
-        for each in optimizers:
-            del each._all_reduce_sum_gradients  # back to the class method
+        with _SUMMED_LOCK:
+            for each in optimizers:
+                each._tfdist_summed_depth -= 1
+                if each._tfdist_summed_depth == 0:
+                    del each._all_reduce_sum_gradients  # back to the class method
 
 
 def _unchanged(grads_and_vars):

@@ -14,6 +14,8 @@ scale by `batch_fraction` below.
 import keras
 import tensorflow as tf
 
+from tfdist.train import keras_fixes, sparse_rows
+
 # Keras' reductions that make a mean of replica means the global mean (the
 # default), or a sum of replica sums the global sum. "mean_with_sample_weight"
 # divides by each replica's own weight sum, which no split of the batch keeps.
@@ -83,17 +85,38 @@ def make_loss_and_grads(model, optimizer, jit_compile: bool):
 
 def make_replica_train_step(model, optimizer, jit_compile: bool):
     """Returns fn(batch) -> (this replica's share of the loss, (y, y_pred, w)); applies
-    the update."""
+    the update.
+
+    With several replicas the gradients are summed here, before `optimizer.apply`,
+    rather than by Keras inside it, for two reasons: Keras clips (clipnorm,
+    global_clipnorm, clipvalue) each replica's own gradient before its all-reduce,
+    which is not the clipping of the global batch's gradient that one device does;
+    and its all-reduce concatenates every sparse gradient's rows, which is one
+    device's update only for rows the batch chose (tfdist/train/sparse_rows.py)."""
     loss_and_grads = make_loss_and_grads(model, optimizer, jit_compile)
+    variables = model.trainable_variables
 
     def replica_step(batch):
         x, y, w = split_batch(batch)
         loss, grads, y_pred = loss_and_grads(x, y, w)
-        # Keras' TF optimizer all-reduces (sums) gradients across replicas here.
-        optimizer.apply(grads, model.trainable_variables)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            optimizer.apply(grads, variables)
+        else:
+            summed = sparse_rows.reduce_across(grads, replica_all_reduce, variables)
+            with keras_fixes.gradients_already_summed(optimizer):
+                optimizer.apply(summed, variables)
         return loss, outputs_of(y, y_pred, w)
 
     return replica_step
+
+
+def replica_all_reduce(items, owners=None):
+    """tf.distribute's SUM over the replicas (IndexedSlices: every replica's rows)."""
+    del owners
+    if not items:
+        return []
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, items)
 
 
 def replica_eval_step(model):

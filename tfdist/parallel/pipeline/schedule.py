@@ -63,7 +63,7 @@ import tensorflow as tf
 
 from tfdist import config as config_lib
 from tfdist.errors import require
-from tfdist.train import step as step_math
+from tfdist.train import sparse_rows, step as step_math
 
 BOUNDARY_ACTIVATION = "pipeline_boundary_activation"
 BOUNDARY_GRADIENT = "pipeline_boundary_gradient"
@@ -496,7 +496,7 @@ def run_replica(stages, x_parts, y_parts, w_parts, loss_fn, schedule: str, repli
     for stage, sums in zip(stages, run.sums):
         with tf.device(stage.device):
             # Named so the hybrid's transfer of it to replica 0 is recognisable.
-            grads.append([_named(g, STAGE_GRADIENT) for g in sums])
+            grads.append([_named(resolve(g), STAGE_GRADIENT) for g in sums])
     return losses, grads, [run.predictions[m] for m in range(microbatches)]
 
 
@@ -505,26 +505,29 @@ def _zeros_if_none(grad, source):
 
 
 def accumulate(total, grad):
-    """total + grad; IndexedSlices (embedding lookups) are concatenated, not densified.
+    """total + grad over micro-batches and replicas, in batch order.
 
-    Why: Keras' optimizers apply IndexedSlices per slice (Adam's second moment
-    squares each slice, not the sum of duplicate rows), so the one-device step,
-    which gets one slice per looked-up token, is only reproduced by the same
-    slices in the same order: micro-batch after micro-batch, replica after replica.
-    """
-    if isinstance(total, tf.IndexedSlices) or isinstance(grad, tf.IndexedSlices):
-        total, grad = _as_slices(total), _as_slices(grad)
-        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
-                                tf.concat([total.indices, grad.indices], 0),
-                                total.dense_shape)
+    Dense gradients are summed as they come (one running sum per variable). Sparse
+    ones (tf.IndexedSlices, embedding lookups) are collected as parts and combined
+    once, by `resolve`: Keras' optimizers apply IndexedSlices row by row (Adam's
+    second moment squares each row before duplicate rows add up), so one device's
+    rows must be rebuilt, not their dense sum (tfdist/train/sparse_rows.py)."""
+    if any(isinstance(g, (SparseParts, tf.IndexedSlices)) for g in (total, grad)):
+        return SparseParts(_parts(total) + _parts(grad))
     return total + grad
 
 
-def _as_slices(grad):
-    if isinstance(grad, tf.IndexedSlices):
-        return grad
-    rows = tf.range(tf.shape(grad, out_type=tf.int64)[0])
-    return tf.IndexedSlices(grad, rows, tf.shape(grad, out_type=tf.int64))
+def _parts(grad) -> list:
+    return list(grad) if isinstance(grad, SparseParts) else [grad]
+
+
+class SparseParts(list):
+    """The IndexedSlices gradients of one variable, one per micro-batch and replica."""
+
+
+def resolve(total):
+    """A gradient sum ready to apply: sparse parts combined as one device's rows."""
+    return sparse_rows.add_parts(total) if isinstance(total, SparseParts) else total
 
 
 def _sum(parts):
@@ -532,7 +535,7 @@ def _sum(parts):
     total = parts[0]
     for part in parts[1:]:
         total = accumulate(total, part)
-    return total
+    return resolve(total)
 
 
 def apply_gradients(replicas, replica_grads, clip=None) -> None:
@@ -545,7 +548,7 @@ def apply_gradients(replicas, replica_grads, clip=None) -> None:
     for k in range(len(replicas[0].stages)):
         per_replica = [grads[k] for grads in replica_grads]
         with tf.device(replicas[0].stages[k].device):
-            totals.append(per_replica[0] if len(per_replica) == 1 else [
+            totals.append([resolve(g) for g in per_replica[0]] if len(per_replica) == 1 else [
                 _named(_sum(parts), GRADIENT_SUM) for parts in zip(*per_replica)])
     if clip is not None:
         sizes = [len(total) for total in totals]

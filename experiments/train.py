@@ -92,6 +92,9 @@ flags.DEFINE_integer("seed", 0, "Seeds weights and the data order.")
 flags.DEFINE_string("trainer", "loop", "loop (tfdist's) or fit (Keras model.fit).")
 flags.DEFINE_string("mixed_precision", None, "mixed_bfloat16 or mixed_float16 (off by default).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the forward and backward pass.")
+flags.DEFINE_enum("batch_statistics", "global", list(cfg.BATCH_STATISTICS),
+                  "Data parallel: BatchNormalization by the global batch's statistics "
+                  "(one device's math) or per_replica (cheaper, not exact).")
 # Outputs.
 flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun to resume.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
@@ -136,7 +139,7 @@ def config_from_flags() -> cfg.RunConfig:
         keep_checkpoints=FLAGS.keep_checkpoints, results_json=FLAGS.results_json,
         eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
-        trainer=FLAGS.trainer)
+        trainer=FLAGS.trainer, batch_statistics=FLAGS.batch_statistics)
 
 
 def _names(text):

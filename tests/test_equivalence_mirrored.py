@@ -57,5 +57,5 @@ def test_jit_compile_with_synchronized_batch_norm_on_replicas_is_refused():
     mode = parallel.build_parallelism(config)
     model, optimizer = runner.build_model_and_optimizer(
         config, mode, data.get_source(config.data).info)
-    with pytest.raises(UsageError, match="synchronized BatchNorm layers \\(stem_norm"):
+    with pytest.raises(UsageError, match="BatchNormalization layers \\(stem_norm"):
         mode.make_train_step(model, optimizer, GLOBAL_BATCH, jit_compile=True)

@@ -26,6 +26,7 @@ SHARDING = ("auto", "file", "data")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED = "interleaved_1f1b"   # the one schedule with --virtual_stages
 TRAINERS = ("loop", "fit")
+BATCH_STATISTICS = ("global", "per_replica")   # tfdist/train/batch_stats.py
 AUTO = -1
 
 
@@ -129,6 +130,9 @@ class RunConfig:
     mixed_precision: Optional[str] = None
     jit_compile: bool = False
     trainer: str = "loop"             # "loop": tfdist's loop; "fit": Keras model.fit
+    # data parallel: BatchNormalization by the global batch's statistics (one device's
+    # math) or each replica's own ("per_replica": cheaper, not exact); train/batch_stats.py
+    batch_statistics: str = "global"
 
     def __post_init__(self):
         from tfdist import parallel
@@ -136,6 +140,7 @@ class RunConfig:
         _one_of("optimizer", self.optimizer, TRAINING_OPTIMIZERS)
         _one_of("cross_device_ops", self.cross_device_ops, CROSS_DEVICE_OPS)
         _one_of("trainer", self.trainer, TRAINERS)
+        _one_of("batch_statistics", self.batch_statistics, BATCH_STATISTICS)
         if self.mixed_precision is not None:
             _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         require(self.simulate_devices >= AUTO,

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tfdist import devices
 from tfdist.errors import UsageError, require
 from tfdist.parallel.base import Parallelism, add_bytes
-from tfdist.train import step as step_math
+from tfdist.train import batch_stats, step as step_math
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -23,11 +23,13 @@ SUM = tf.distribute.ReduceOp.SUM
 class StrategyParallelism(Parallelism):
     """Any tf.distribute strategy behind the Parallelism interface."""
 
-    def __init__(self, name: str, strategy: tf.distribute.Strategy, device_names: List[str]):
+    def __init__(self, name: str, strategy: tf.distribute.Strategy, device_names: List[str],
+                 batch_statistics: str = batch_stats.GLOBAL):
         self.name = name
         self.strategy = strategy
         self.devices = device_names
         self.num_replicas = strategy.num_replicas_in_sync
+        self.batch_statistics = batch_statistics
 
     def scope(self):
         return self.strategy.scope()
@@ -42,6 +44,10 @@ class StrategyParallelism(Parallelism):
                 f"({len(outside)} variable(s), e.g. {outside[0] if outside else ''}), so its "
                 f"variables are not replicated. Build and compile it inside the scope: "
                 f"`with strategy.scope(): model = ...; model.compile(...)`.")
+        if self.batch_statistics == batch_stats.GLOBAL:
+            batch_stats.use_global_statistics(model, self.num_replicas, self.name)
+        else:
+            batch_stats.announce_per_replica(model, self.num_replicas, self.name)
         return super().adopt(model)
 
     def distribute(self, dataset_fn):
@@ -50,7 +56,8 @@ class StrategyParallelism(Parallelism):
     def make_train_step(self, model, optimizer, global_batch_size, jit_compile,
                         on_outputs=None):
         if jit_compile and self.num_replicas > 1:
-            _refuse_synchronized_norms_under_xla(model, self.num_replicas)
+            _refuse_synchronized_norms_under_xla(model, self.num_replicas,
+                                                 self.batch_statistics)
         del global_batch_size  # the replicas' equal batches make Keras' loss scaling exact
         replica_step = step_math.make_replica_train_step(model, optimizer, jit_compile)
         return self._summing_step(replica_step, on_outputs)
@@ -90,15 +97,18 @@ def local_concat(strategy, per_replica):
     return tf.nest.map_structure(concat, per_replica)
 
 
-def _refuse_synchronized_norms_under_xla(model, num_replicas: int) -> None:
+def _refuse_synchronized_norms_under_xla(model, num_replicas: int,
+                                         batch_statistics: str) -> None:
     """A synchronized BatchNorm all-reduces inside the step; XLA clusters cannot."""
-    norms = [layer.name for layer in model.layers
-             if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized]
+    norms = [layer.name for layer in batch_stats.batch_norm_layers(model)
+             if layer.synchronized or batch_statistics == batch_stats.GLOBAL]
     require(not norms,
             f"--jit_compile cannot compile model '{model.name}' on {num_replicas} replicas: its "
-            f"synchronized BatchNorm layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
-            f"all-reduce batch statistics inside the step, which an XLA cluster cannot hold. "
-            f"Drop --jit_compile, or use one device.")
+            f"BatchNormalization layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
+            f"all-reduce the global batch's statistics inside the step, which an XLA cluster "
+            f"cannot hold. Drop --jit_compile, or use one device, or keep per-replica "
+            f"statistics (--batch_statistics=per_replica, BatchNormalization(synchronized="
+            f"False); not the one-device math).")
 
 
 def build_default(config) -> StrategyParallelism:
@@ -136,4 +146,4 @@ def build_mirrored(config) -> StrategyParallelism:
     local = devices.configure(config.simulate_devices, config.num_gpus)
     ops = cross_device_ops(config.cross_device_ops, config.num_packs, local)
     strategy = tf.distribute.MirroredStrategy(local, cross_device_ops=ops)
-    return StrategyParallelism("mirrored", strategy, local)
+    return StrategyParallelism("mirrored", strategy, local, config.batch_statistics)

@@ -10,7 +10,7 @@ variable whose values all ended near 0 passes with every difference within ATOL.
 import dataclasses
 import json
 import os
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -89,7 +89,8 @@ def closer_to_exact(got, ref, exact, rtol: float = RTOL) -> bool:
 
 
 def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
-                      exact: Optional[List[np.ndarray]] = None) -> List[str]:
+                      exact: Optional[List[np.ndarray]] = None,
+                      skip: Sequence[int] = ()) -> List[str]:
     """Per variable: same shape, then relative norm within `rtol`. A record without
     weights is a ValueError (the caller compared nothing); different counts, or none
     at all, are mismatches.
@@ -100,7 +101,9 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
     one-device float32 run is itself not exact. Adam divides each gradient by its own
     running magnitude, so where gradients are small (a zero-initialised norm scale)
     float32's rounding in another order of operations can grow past 1e-5, and which run
-    lands nearer the exact values is then a matter of order, not of correctness."""
+    lands nearer the exact values is then a matter of order, not of correctness.
+
+    `skip`: indices of variables not compared (announced as not covered)."""
     for record in (reference, candidate):
         if record.weights is None:
             raise ValueError(f"record {record.label!r} has no weights (from_results_json "
@@ -115,6 +118,8 @@ def weight_mismatches(reference: Record, candidate: Record, rtol: float = RTOL,
         return [f"{candidate.label} and {reference.label} have no weights to compare"]
     out, errors = [], []
     for index, (ref, got) in enumerate(zip(reference.weights, candidate.weights)):
+        if index in skip:
+            continue
         ref, got = np.asarray(ref), np.asarray(got)
         if ref.shape != got.shape:  # before any arithmetic: numpy would broadcast
             out.append(f"weight {index}: shape {got.shape} vs {ref.shape}")
@@ -160,23 +165,35 @@ def assert_equivalent(reference: Record, candidate: Record, rtol: float = RTOL) 
 
 class LogRecorder:
     """A Keras callback keeping every train batch's and epoch's logs (what a user's own
-    callback sees), so two modes' logs can be compared key by key."""
+    callback sees), so two modes' logs can be compared key by key; given
+    `weights_fn`, also the weights after each step (up to STEP_WEIGHT_BYTES), to tell
+    which variable's update differed first."""
 
-    def __new__(cls):
+    def __new__(cls, weights_fn=None):
         import keras
 
         class _Recorder(keras.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.batch_logs, self.epoch_logs = [], []
+                self.batch_logs, self.epoch_logs, self.step_weights = [], [], []
+                self._bytes = 0
 
             def on_train_batch_end(self, batch, logs=None):
                 self.batch_logs.append(dict(logs or {}))
+                if weights_fn is not None and self._bytes < STEP_WEIGHT_BYTES:
+                    weights = weights_fn()
+                    self._bytes += sum(w.nbytes for w in weights)
+                    self.step_weights.append(weights)
 
             def on_epoch_end(self, epoch, logs=None):
                 self.epoch_logs.append(dict(logs or {}))
 
         return _Recorder()
+
+
+# Per-step weights kept by train_keras, to name the first variable that differs: enough
+# for every step of a small model, the first steps of a larger one.
+STEP_WEIGHT_BYTES = 256 * 2 ** 20
 
 
 @dataclasses.dataclass
@@ -190,6 +207,10 @@ class KerasRun:
     batch_logs: List[dict]
     epoch_logs: List[dict]
     stochastic_layers: List[str]
+    # Paths tfdist announced before training as not one device's in any split (a bias
+    # that BatchNormalization cancels: tfdist/train/guarantee.py); listed, not compared.
+    not_covered: List[str] = dataclasses.field(default_factory=list)
+    step_weights: List[list] = dataclasses.field(default_factory=list)  # first replica's
 
     def record(self, replica: str = None) -> Record:
         replica = replica or next(iter(self.replica_weights))
@@ -198,16 +219,10 @@ class KerasRun:
 
 def stochastic_layers(model) -> List[str]:
     """Layers that draw random numbers while training (Dropout, GaussianNoise, random
-    augmentation...): each holds a keras.random.SeedGenerator. tfdist's guarantee does
-    not cover them: a mode draws its random numbers per replica or per shard."""
-    import keras
-    found, pending = [], list(model.layers)
-    while pending:
-        layer = pending.pop(0)
-        pending.extend(getattr(layer, "layers", []))
-        if any(isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values()):
-            found.append(f"{layer.name} ({type(layer).__name__})")
-    return found
+    augmentation...) at a non-zero rate: tfdist's guarantee does not cover them, a mode
+    draws its random numbers per replica or per shard (tfdist/train/guarantee.py)."""
+    from tfdist.train import guarantee
+    return guarantee.stochastic_layers(model)
 
 
 def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,
@@ -216,11 +231,13 @@ def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,
     first) with strategy.fit(model, x, y, **fit_kwargs), recording what to compare."""
     import keras
     import tfdist
+    from tfdist.train import guarantee
     tf_strategy = tfdist.Strategy(strategy, seed=seed, **strategy_options)
     keras.utils.set_random_seed(seed)
     with tf_strategy.scope():
         model = build_and_compile()
-    recorder = LogRecorder()
+    recorder = LogRecorder(lambda: next(iter(
+        tf_strategy.replica_models(model).values())).get_weights())
     kwargs = dict(fit_kwargs or {})
     kwargs["callbacks"] = list(kwargs.get("callbacks", [])) + [recorder]
     kwargs.setdefault("verbose", 0)
@@ -230,7 +247,8 @@ def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,
         run = KerasRun(label or strategy, list(tf_strategy.last_result.losses),
                        {name: m.get_weights() for name, m in replicas.items()},
                        [v.path for v in model.weights], recorder.batch_logs,
-                       recorder.epoch_logs, stochastic_layers(model))
+                       recorder.epoch_logs, stochastic_layers(model),
+                       guarantee.biases_cancelled_by_batch_norm(model), recorder.step_weights)
     finally:
         tf_strategy.close()
     return run
@@ -266,6 +284,7 @@ class Report:
     first_variable: Optional[str]       # first variable (path) whose final value differs
     max_loss_error: float
     stochastic_layers: List[str]
+    not_covered: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def equivalent(self) -> bool:
@@ -279,6 +298,10 @@ class Report:
                     f"Check with those layers disabled (e.g. rate=0).\n")
         else:
             head = ""
+        if self.not_covered:
+            head += (f"Not compared, announced before training: {', '.join(self.not_covered)} "
+                     f"(a bias that BatchNormalization cancels: no split trains it to one "
+                     f"device's values, see tfdist/train/guarantee.py).\n")
         if self.equivalent:
             return (head + f"{self.strategy} trains like one device: every step's loss within "
                     f"{self.max_loss_error:.1e} relative, final weights and logs within 1e-5.")
@@ -311,25 +334,45 @@ def check_equivalence(build_and_compile, x, y=None, *, strategy: str, seed: int 
 def compare_runs(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL,
                  exact: Optional[KerasRun] = None) -> Report:
     """`exact`: the reference's training in float64 from the same initial weights, to
-    arbitrate variables on which the float32 reference is itself off (weight_mismatches)."""
+    arbitrate variables on which the float32 reference is itself off (weight_mismatches).
+    Variables the reference run announced as not covered are listed, not compared."""
     ref_record = reference.record()
     problems = loss_mismatches(ref_record, candidate.record(), rtol)
     first_step = _first_step(problems)
     first_variable = None
     exact_weights = exact.record().weights if exact is not None else None
+    skip = [i for i, path in enumerate(reference.paths) if path in set(reference.not_covered)]
     for replica, weights in candidate.replica_weights.items():
         found = weight_mismatches(ref_record, Record(f"{candidate.label} {replica}",
                                                      candidate.losses, weights), rtol,
-                                  exact_weights)
+                                  exact_weights, skip)
         problems += [f"{replica}: {p}" for p in found]
         if found and first_variable is None:
-            first_variable = _first_variable(found, reference.paths)
+            first_variable = (first_diverging_variable(reference, candidate, rtol, skip)
+                              or _first_variable(found, reference.paths))
     problems += log_mismatches(reference, candidate, rtol)
     error = (max_relative_loss_error(ref_record, candidate.record())
              if len(reference.losses) == len(candidate.losses) and reference.losses else
              float("inf"))
     return Report(candidate.label, problems, first_step, first_variable, error,
-                  reference.stochastic_layers)
+                  reference.stochastic_layers, list(reference.not_covered))
+
+
+def first_diverging_variable(reference: KerasRun, candidate: KerasRun, rtol: float = RTOL,
+                             skip: Sequence[int] = ()) -> Optional[str]:
+    """The variable whose update differs first: at the first step after which any
+    variable is off by more than rtol (and ATOL), the one off the most. None without
+    per-step weights in both runs. Final weights cannot tell this: by the end, every
+    variable downstream of the first difference differs too, often by more."""
+    for ref_weights, got_weights in zip(reference.step_weights, candidate.step_weights):
+        errors = [(relative_error(got, ref), index) for index, (ref, got)
+                  in enumerate(zip(ref_weights, got_weights))
+                  if index not in skip and np.shape(ref) == np.shape(got)
+                  and float(np.max(np.abs(np.asarray(got) - ref), initial=0.0)) > ATOL]
+        worst = max(errors, default=(0.0, None))
+        if worst[0] > rtol:
+            return reference.paths[worst[1]]
+    return None
 
 
 def describe_errors(reference: KerasRun, candidate: KerasRun) -> str:

@@ -1,0 +1,127 @@
+"""What tfdist's guarantee (every mode trains to one device's numbers) does not cover
+in a given model, said once before training rather than found after it.
+
+- Layers whose training output is random (Dropout, GaussianNoise, random
+  augmentation): a mode draws their random numbers per replica, shard or stage, so
+  no mode repeats one device's draws. Exactness holds with them at rate 0.
+- A bias whose every use is a BatchNormalization over its channels (keras-io's
+  Conv1D -> BatchNormalization): in training the normalisation subtracts the batch
+  mean, the bias with it, so its gradient is zero in exact arithmetic and rounding
+  noise in float32. Optimizers that divide by the gradient's own magnitude (Adam,
+  RMSprop, Adagrad...) turn that noise into steps of about the learning rate, which
+  differ with any change in the order of the sums, one device against itself
+  included. The loss does not see it; the bias and that layer's moving mean do.
+"""
+
+import logging
+from typing import List
+
+import keras
+
+log = logging.getLogger("tfdist")
+
+
+def stochastic_layers(model) -> List[str]:
+    """Layers that draw random numbers while training: each holds a
+    keras.random.SeedGenerator (Dropout, GaussianNoise, RandomFlip, ...)."""
+    return [f"{layer.name} ({type(layer).__name__})" for layer in _all_layers(model)
+            if any(isinstance(value, keras.random.SeedGenerator)
+                   for value in vars(layer).values()) and not _switched_off(layer)]
+
+
+def _switched_off(layer) -> bool:
+    """Dropout-like layers at rate 0 and noise at stddev 0 draw nothing (Keras skips them)."""
+    return any(getattr(layer, knob, None) == 0 for knob in ("rate", "stddev"))
+
+
+def biases_cancelled_by_batch_norm(model) -> List[str]:
+    """Paths of the biases (and the following BatchNormalization's moving mean) of
+    layers whose output feeds only a BatchNormalization over its last axis, when the
+    model's optimizer amplifies their rounding noise (not plain SGD): what `announce`
+    says is not one device's."""
+    if not _amplifies_noise(getattr(model, "optimizer", None)):
+        return []
+    paths = []
+    for producer, norm in _bias_then_batch_norm(model):
+        paths += [producer.bias.path, norm.moving_mean.path]
+    return paths
+
+
+def _amplifies_noise(optimizer) -> bool:
+    """SGD (with or without momentum) steps in proportion to the gradient, so rounding
+    noise stays rounding noise; optimizers that divide by the gradient's running
+    magnitude (Adam, RMSprop, Adagrad, ...) do not. Unknown: assume they amplify."""
+    return optimizer is None or not isinstance(optimizer, keras.optimizers.SGD)
+
+
+def announce(model, mode: str) -> None:
+    """Logs, once per model, what the guarantee does not cover in it."""
+    if getattr(model, "_tfdist_announced", False):
+        return
+    model._tfdist_announced = True
+    random_layers = stochastic_layers(model)
+    if random_layers:
+        log.warning(
+            "%s: %s draw random numbers while training; tfdist's modes draw them per "
+            "replica, shard or stage, so this model does not train to one device's numbers "
+            "step for step (exactness holds with them at rate 0).", mode,
+            _listed(random_layers))
+    pairs = _bias_then_batch_norm(model) if _amplifies_noise(model.optimizer) else []
+    if pairs:
+        log.warning(
+            "%s: the bias of %s feeds only BatchNormalization, which subtracts it in "
+            "training: its gradient is zero up to rounding, which %s turns into steps of "
+            "about the learning rate, different under any split of the batch (one device "
+            "included). The loss is unaffected; those biases and the moving means after "
+            "them are not one device's. Build those layers with use_bias=False to "
+            "train them exactly.", mode,
+            _listed([producer.name for producer, _ in pairs]), _optimizer_name(model))
+
+
+def _optimizer_name(model) -> str:
+    optimizer = getattr(model, "optimizer", None)
+    return type(optimizer).__name__ if optimizer is not None else "an adaptive optimizer"
+
+
+def _listed(names: List[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _all_layers(model) -> List:
+    # Keras exports no recursive sub-layer walk; _flatten_layers is its own tracking's
+    # (keras-team/keras#19541). Canary: tests/test_upstream_canaries.py.
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
+def _bias_then_batch_norm(model) -> List:
+    """(layer with a bias, BatchNormalization) pairs where the layer's output has no
+    other consumer and the normalisation runs over the bias's (last) axis. Graph
+    models only (functional, Sequential): a subclassed call() has no graph to read."""
+    layers = [layer for layer in getattr(model, "layers", []) if _called_once(layer)]
+    operations = [op for op in getattr(model, "operations", layers) if _called_once(op)]
+    outputs = [id(t) for t in keras.tree.flatten(model.outputs)] if layers else []
+    pairs = []
+    for norm in layers:
+        if not isinstance(norm, keras.layers.BatchNormalization) or isinstance(
+                norm.input, (list, tuple, dict)) or norm.axis not in (-1, len(norm.input.shape) - 1):
+            continue
+        producer = next((layer for layer in layers if layer.output is norm.input), None)
+        if (producer is not None and getattr(producer, "bias", None) is not None
+                and getattr(producer, "use_bias", True)
+                and _consumers(operations, norm.input) == 1 and id(norm.input) not in outputs):
+            pairs.append((producer, norm))
+    return pairs
+
+
+def _called_once(layer) -> bool:
+    """Whether layer.input / layer.output are defined (Keras raises for a layer called
+    more than once, or never)."""
+    try:
+        return layer.input is not None and layer.output is not None
+    except (AttributeError, ValueError):
+        return False
+
+
+def _consumers(operations, tensor) -> int:
+    return sum(1 for op in operations
+               if any(t is tensor for t in keras.tree.flatten(op.input)))

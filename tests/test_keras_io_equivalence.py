@@ -1,0 +1,180 @@
+"""tfdist's guarantee on models of the shapes keras-io's examples write
+(tests/keras_io_models.py), which its own registry models never had:
+
+- a position table looked up with ops.arange beside a token table, under Adam, with and
+  without global_clipnorm: each replica, worker and micro-batch holds the same position
+  rows, which must add up row by row (tfdist/train/sparse_rows.py); before, mirrored
+  ended 44% off one device;
+- Conv1D + BatchNormalization: global batch statistics by default in the data-parallel
+  modes (tfdist/train/batch_stats.py), refused by the pipeline's micro-batches;
+- frozen layers (top-level, and inside a custom layer) stay bit-identical.
+
+Every comparison: 8 steps, per-step losses and every replica's final weights within
+1e-5 relative of one device. 2 launched workers over every CPU collective run in
+test_two_workers_*.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_io_models
+from helpers import REPO
+from test_mpi import mpi_unavailable
+from tfdist.errors import UsageError
+from tfdist.testing import equivalence
+
+MODES = {
+    "mirrored": dict(strategy="mirrored", simulate_devices=2),
+    "pipeline_2x4": dict(strategy="pipeline", simulate_devices=2, pipeline_stages=2,
+                         microbatches=4),
+    "hybrid_2x2": dict(strategy="pipeline", simulate_devices=4, pipeline_stages=2,
+                       microbatches=2),
+}
+CASES = ("text:adam", "text:adam_clip", "timeseries:adam", "frozen:adam")
+_references = {}
+
+
+def one_device(case: str) -> equivalence.KerasRun:
+    if case not in _references:
+        build, x, y, fit_kwargs = keras_io_models.case(*case.split(":"))
+        _references[case] = equivalence.train_keras("default", build, x, y,
+                                                    fit_kwargs=fit_kwargs)
+    return _references[case]
+
+
+def in_mode(case: str, mode: str, **extra) -> equivalence.KerasRun:
+    build, x, y, fit_kwargs = keras_io_models.case(*case.split(":"))
+    options = dict(MODES[mode], **extra)
+    return equivalence.train_keras(options.pop("strategy"), build, x, y,
+                                   fit_kwargs=fit_kwargs, label=mode, **options)
+
+
+def initial_frozen_values():
+    """The frozen variables' values at the start, in weight order (the same seed builds
+    the same model)."""
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras_io_models.frozen_base()
+    return [np.array(v.numpy()) for v in keras_io_models.frozen_variables(model)]
+
+
+def frozen_values(paths, weights):
+    return [w for path, w in zip(paths, weights) if path.endswith(keras_io_models.FROZEN_PATHS)]
+
+
+def assert_exact(case, run):
+    reference = one_device(case)
+    assert len(reference.losses) == keras_io_models.STEPS
+    report = equivalence.compare_runs(reference, run)
+    assert report.equivalent, f"{case}: {report}"
+    return report
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", ["text:adam", "text:adam_clip"])
+def test_token_and_position_tables_train_like_one_device(case, mode):
+    assert_exact(case, in_mode(case, mode))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_frozen_layers_stay_bit_identical(mode):
+    run = in_mode("frozen:adam", mode)
+    assert_exact("frozen:adam", run)
+    initial = initial_frozen_values()
+    assert len(initial) == 4
+    for replica, weights in run.replica_weights.items():
+        final = frozen_values(run.paths, weights)
+        assert len(final) == 4
+        assert all(np.array_equal(a, b) for a, b in zip(final, initial)), f"{mode} {replica}"
+
+
+def test_batch_norm_trains_on_the_global_batch_under_mirrored(caplog):
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        report = assert_exact("timeseries:adam", in_mode("timeseries:adam", "mirrored"))
+    assert "normalise by the global batch's statistics" in caplog.text
+    # The conv biases that BatchNormalization cancels are announced, not compared.
+    kinds = [(path.split("/")[0].rstrip("_0123456789"), path.split("/")[-1])
+             for path in report.not_covered]
+    assert kinds == [("conv1d", "bias"), ("batch_normalization", "moving_mean")] * 2
+    assert "feeds only BatchNormalization" in caplog.text
+
+
+def test_per_replica_batch_statistics_is_announced_and_differs(caplog):
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        run = in_mode("timeseries:adam", "mirrored", batch_statistics="per_replica")
+    assert "batch_statistics='per_replica'" in caplog.text and "not the one-device" in caplog.text
+    assert not equivalence.compare_runs(one_device("timeseries:adam"), run).equivalent
+
+
+@pytest.mark.parametrize("mode", ["pipeline_2x4", "hybrid_2x2"])
+def test_the_pipeline_refuses_batch_norm_over_micro_batches(mode):
+    with pytest.raises(UsageError, match="BatchNormalization .*batch_normalization"):
+        in_mode("timeseries:adam", mode)
+
+
+def test_sparse_rows_classification_reads_the_graph():
+    """Rows from ops.arange are the same in every part; rows from the batch are not;
+    a table looked up both ways is split into its two lookups."""
+    import tensorflow as tf
+    from tfdist.train import sparse_rows
+    table = tf.Variable(tf.ones([10, 3]))
+
+    @tf.function
+    def grads(ids):
+        with tf.GradientTape() as tape:
+            both = tf.gather(table, ids) + tf.gather(table, tf.range(4))
+            loss = tf.reduce_sum(both * both)
+        gradient = tape.gradient(loss, table)
+        kinds = [follows for follows, _ in sparse_rows.segments(gradient)]
+        assert kinds == [True, False], kinds
+        return tf.convert_to_tensor(gradient)
+
+    grads(tf.constant([1, 2, 2, 5]))
+
+
+def launch(collective, out_dir):
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    mpi = ["--mpi"] if collective == "mpi" else []
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", *mpi, "--workers", "2", "--", sys.executable,
+         "tests/workers/keras_io_cases.py", collective, ",".join(CASES), str(out_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def worker_run(out_dir, case, rank, paths):
+    stem = os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}")
+    with open(stem + ".json") as f:
+        record = json.load(f)
+    arrays = equivalence.load_weights(stem + ".npz")
+    frozen = record["frozen_count"]
+    weights, initial = arrays[:len(arrays) - frozen], arrays[len(arrays) - frozen:]
+    run = equivalence.KerasRun(f"2 workers rank {rank}", record["losses"],
+                               {f"rank {rank}": weights}, paths, record["batch_logs"],
+                               record["epoch_logs"], [])
+    return run, initial
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("collective", [
+    "auto", "ring", "tcp", "shm",
+    pytest.param("mpi", marks=pytest.mark.skipif(mpi_unavailable() is not None,
+                                                 reason=str(mpi_unavailable())))])
+def test_two_workers_train_keras_io_models_like_one_device(collective, tmp_path):
+    result = launch(collective, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for case in CASES:
+        reference = one_device(case)
+        for rank in (0, 1):
+            run, initial_frozen = worker_run(tmp_path, case, rank, reference.paths)
+            report = equivalence.compare_runs(reference, run)
+            assert report.equivalent, f"{case} over {collective}, rank {rank}: {report}"
+            if case.startswith("frozen"):
+                frozen = frozen_values(reference.paths, run.replica_weights[f"rank {rank}"])
+                assert len(frozen) == len(initial_frozen) == 4
+                assert all(np.array_equal(a, b) for a, b in zip(frozen, initial_frozen))

@@ -110,6 +110,7 @@ def rebuild_from_config(layer):
 
 
 def _from_config(layer, config: dict):
+    config = dict(config)   # from_config may replace its entries (Lambda's function)
     if isinstance(layer, keras.layers.Lambda):
         # Keras' safe mode refuses a Python lambda read back from a config (since it
         # fails closed outside a deserialization scope, clone_model cannot copy one);

@@ -2,7 +2,9 @@
 
     mesh.py        "batch=2,model=2" -> a dtensor.Mesh (local, or over all clients)
     layout_map.py  LayoutMap: regex over variable paths -> sharding spec, validated
-    presets.py     --layout data | megatron | a JSON/.py layout file
+    presets.py     --layout data | megatron | auto | a JSON/.py layout file
+    auto_layout.py --layout=auto: an exact tensor-parallel layout read off the model
+    layout_check.py  refuses a layout DTensor cannot run on convolutions, before any trace
     sharding.py    gives a built Keras model and its optimizer DTensor storage
     update.py      the exact optimizer update (SGD, momentum, Adam, AdamW) on shards
     step.py        batch-sharded inputs, the train and eval steps
@@ -73,12 +75,16 @@ class DTensorParallelism(Parallelism):
         return self.build_model_and_optimizer(lambda: model, lambda: model.optimizer)
 
     def build_model_and_optimizer(self, model_fn, optimizer_fn):
-        from tfdist.parallel.dtensor import presets, sharding
+        from tfdist.parallel.dtensor import layout_check, presets, sharding
         model = model_fn()  # built unsharded (same seed, same values), then moved
-        layout_map = presets.layout_map_for(self.config.layout, self.config.model.name)
+        layout_map = presets.layout_map_for(self.config.layout, self.config.model.name,
+                                            model=model, mesh_axes=self.axes)
         self.specs = layout_map.resolve(
             [(v.path, tuple(v.shape)) for v in model.variables], self.axes,
             strict=self.config.layout_strict)
+        # The one check of every layout (files, presets, dicts, keras LayoutMaps), before
+        # any variable moves or any step is traced: DTensor's own errors come at the step.
+        layout_check.check(model, self.specs, layout_check.keras_activation_layouts())
         self.layouts = sharding.shard_model(model, self.specs, self.mesh)
         optimizer, self.slots = sharding.build_sharded_optimizer(optimizer_fn, model, self.layouts,
                                                         self.mesh)

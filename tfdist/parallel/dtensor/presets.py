@@ -1,4 +1,8 @@
-"""--layout: `data`, `megatron`, or a user layout file (JSON or .py).
+"""--layout: `data`, `megatron`, `auto`, or a user layout file (JSON or .py).
+
+`auto`: tfdist picks an exact tensor-parallel layout for the built model
+(auto_layout.py: Dense pairs column-then-row, attention by heads, embeddings by
+vocabulary, the rest replicated) and logs the table of what it sharded.
 
 `data`: every variable replicated; only the inputs are split (along `batch`).
 
@@ -58,13 +62,22 @@ MEGATRON_TRANSFORMER = {
 }
 
 MEGATRON = {"mlp": MEGATRON_MLP, "transformer": MEGATRON_TRANSFORMER}
-PRESETS = ("data", "megatron")
+PRESETS = ("data", "megatron", "auto")
 
 
-def layout_map_for(layout, model_name: str) -> LayoutMap:
-    """The LayoutMap named by --layout for model `model_name` (or given as a map object)."""
+def layout_map_for(layout, model_name: str, model=None, mesh_axes=None) -> LayoutMap:
+    """The LayoutMap named by --layout for model `model_name` (or given as a map object).
+
+    `auto` reads the built Keras `model` and needs it and the mesh's `mesh_axes`
+    ({axis: size}); the other layouts need neither."""
     if not isinstance(layout, str):
         return _from_object(layout)
+    if layout == "auto":
+        require(model is not None and mesh_axes is not None,
+                "--layout=auto is chosen from the built model and the mesh; this caller "
+                "has neither (the planner estimates only data and megatron).")
+        from tfdist.parallel.dtensor import auto_layout
+        return auto_layout.layout_map(model, mesh_axes)
     if layout == "data":
         return LayoutMap(DATA)
     if layout == "megatron":

@@ -1,0 +1,392 @@
+"""layout="auto" and the refusal of layouts DTensor cannot run on convolutions
+(tfdist/parallel/dtensor/auto_layout.py, layout_check.py).
+
+layout="auto" on models tfdist did not write, against one device (per-step losses
+and final weights within 1e-5 relative, Adam, 8 steps):
+- a keras-io-style text transformer (token + position embeddings, a subclassed
+  block with MultiHeadAttention and a Sequential Dense-relu-Dense FFN): at least
+  half of its Dense parameter bytes end up split over `model`;
+- a convnet (Conv2D, BatchNormalization, pooling, a Dense head): its
+  convolutions stay replicated and it trains, instead of failing at the first step.
+Each layout DTensor cannot run on a convnet (a split filter, a channel-split
+normalisation before a convolution, a row-split final Dense after global
+pooling: the three raw DTensor errors users met) is refused before anything is
+sharded, in one paragraph with the layer, the rule and what is supported, from a
+dict, a --layout JSON file and a keras.distribution LayoutMap alike.
+
+Real DTensor on the 4 simulated CPUs, mesh batch=2,model=2; runs in the DTensor
+pytest process (the `dtensor` marker, tests/conftest.py).
+"""
+
+import json
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfdist.errors import UsageError
+from tfdist.testing import equivalence
+
+pytestmark = pytest.mark.dtensor
+
+MESH = "batch=2,model=2"
+STEPS, BATCH = 8, 8
+SEQ, VOCAB, CLASSES = 8, 32, 4
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README_HEADING = "### Tensor parallelism without a hand-written layout"
+TF_ERROR_TEXT = ("tensorflow/", "SPMD", "{0}", "Filter for convolution", "channel dimension must",
+                 "Traceback", "mlir")
+
+
+# ------------------------------------------------------------------------- the models
+
+def transformer():
+    """keras-io's "Text classification with Transformer", dropout 0, Adam."""
+    import keras
+    layers = keras.layers
+
+    class TransformerBlock(layers.Layer):
+        def __init__(self, embed_dim, num_heads, ff_dim):
+            super().__init__()
+            self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+            self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
+                                         layers.Dense(embed_dim)])
+            self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+            self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+
+        def call(self, inputs):
+            out1 = self.layernorm1(inputs + self.att(inputs, inputs))
+            return self.layernorm2(out1 + self.ffn(out1))
+
+    class TokenAndPositionEmbedding(layers.Layer):
+        def __init__(self, maxlen, vocab_size, embed_dim):
+            super().__init__()
+            self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+            self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+        def call(self, x):
+            positions = keras.ops.arange(0, keras.ops.shape(x)[-1], 1)
+            return self.token_emb(x) + self.pos_emb(positions)
+
+    inputs = keras.Input((SEQ,), dtype="int32")
+    x = TokenAndPositionEmbedding(SEQ, VOCAB, 16)(inputs)
+    x = TransformerBlock(16, 2, 32)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dense(20, activation="relu")(x)
+    model = keras.Model(inputs, layers.Dense(CLASSES)(x))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def convnet():
+    """keras-io's MNIST convnet shape, with BatchNormalization and a Dense-relu-Dense head.
+    conv1 has no bias: BatchNormalization subtracts it, so its gradient is rounding noise
+    that Adam amplifies differently under any split (tfdist warns about it)."""
+    import keras
+    layers = keras.layers
+    inputs = keras.Input((8, 8, 3))
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv1")(inputs)
+    x = layers.BatchNormalization(name="bn1")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(8, 3, padding="same", name="conv2")(x)
+    x = layers.MaxPooling2D()(x)
+    x = layers.Flatten()(x)
+    x = layers.Dense(16, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, layers.Dense(CLASSES, name="head")(x))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def timeseries_classifier():
+    """keras-io's "Timeseries classification from scratch": Conv1D + BatchNorm, global
+    pooling, softmax Dense."""
+    import keras
+    layers = keras.layers
+    inputs = keras.Input((16, 1))
+    x = inputs
+    for index in range(2):
+        x = layers.Conv1D(8, 3, padding="same", name=f"conv{index}")(x)
+        x = layers.BatchNormalization(name=f"bn{index}")(x)
+        x = layers.ReLU()(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(inputs, layers.Dense(CLASSES, activation="softmax", name="dense")(x))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def arrays(build):
+    rng = np.random.default_rng(0)
+    shape = build().input_shape[1:]
+    n = STEPS * BATCH
+    if build is transformer:
+        x = rng.integers(0, VOCAB, (n,) + shape).astype("int32")
+    else:
+        x = rng.normal(size=(n,) + shape).astype("float32")
+    return x, rng.integers(0, CLASSES, n).astype("int32")
+
+
+# ------------------------------------------------------------------------- the runs
+
+def train_sharded(build, layout):
+    """strategy.fit under dtensor; returns (Record, the trained model, its strategy)."""
+    import keras
+    import tfdist
+    x, y = arrays(build)
+    strategy = tfdist.Strategy("dtensor", seed=0, simulate_devices=4, mesh=MESH, layout=layout)
+    keras.utils.set_random_seed(0)
+    model = build()
+    strategy.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    record = equivalence.Record("dtensor auto", list(strategy.last_result.losses),
+                                model.get_weights())
+    return record, model, strategy
+
+
+def train_one_device(build):
+    x, y = arrays(build)
+    run = equivalence.train_keras("default", build, x, y,
+                                  fit_kwargs=dict(batch_size=BATCH, epochs=1, shuffle=False))
+    return run.record()
+
+
+def assert_exact(build, layout="auto"):
+    reference = train_one_device(build)
+    candidate, model, strategy = train_sharded(build, layout)
+    try:
+        assert len(candidate.losses) == STEPS
+        equivalence.assert_equivalent(reference, candidate)
+    finally:
+        strategy.close()
+    return model
+
+
+def split_axes(variable):
+    from tfdist.parallel.dtensor import sharding
+    return [a for a in sharding.layout_of(variable).sharding_specs if a != "unsharded"]
+
+
+def dense_variables(model):
+    import keras
+    return [v for layer in model._flatten_layers()
+            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+            for v in layer.variables]
+
+
+# ------------------------------------------------------------------------- layout="auto"
+
+def test_auto_layout_shards_a_transformer_and_trains_like_one_device(caplog):
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        model = assert_exact(transformer)
+    dense = dense_variables(model)
+    total = sum(v.numpy().nbytes for v in dense)
+    split = sum(v.numpy().nbytes for v in dense if split_axes(v) == ["model"])
+    assert split >= total / 2, (split, total)
+    # the token table is split along its vocabulary; the position table stays whole
+    tables = {v.path: split_axes(v) for v in model.variables if v.path.endswith("embeddings")}
+    assert sorted(tables.values()) == [[], ["model"]], tables
+    assert "layout=auto on mesh batch=2,model=2" in caplog.text
+    assert "parameters per device" in caplog.text
+
+
+def test_auto_layout_runs_a_convnet_with_its_convolutions_replicated():
+    model = assert_exact(convnet)
+    layouts = {v.path: split_axes(v) for v in model.variables}
+    assert all(not layouts[p] for p in layouts if p.startswith(("conv", "bn"))), layouts
+    assert layouts["fc/kernel"] == ["model"] and layouts["head/kernel"] == ["model"], layouts
+
+
+# ------------------------------------------------------------------------- refusals
+
+def _keras_layout_map(rules):
+    import keras
+    from tfdist.parallel.dtensor import keras_layouts
+    layout_map = keras.distribution.LayoutMap(keras_layouts.device_mesh(MESH))
+    for key, axes in rules.items():
+        layout_map[key] = axes
+    return layout_map
+
+
+REFUSALS = {
+    # DTensor's own error at the first step, for the record:
+    "split_filter": (convnet, {"conv2/kernel": (None, None, None, "model")}, "conv2",
+                     "Filter for convolution must have fully replicated layout."),
+    "channel_split_norm": (convnet, {"bn1/gamma": ("model",), "bn1/beta": ("model",)}, "bn1",
+                           "Conv input's channel dimension must be replicated."),
+    "row_split_final_dense": (timeseries_classifier, {"dense/kernel": ("model", None)}, "dense",
+                              "{0} only supports batch parallel layouts.tf.Conv2DBackpropFilter"),
+}
+
+
+@pytest.mark.parametrize("kind", ["dict", "json_file", "keras_layout_map"])
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_layout_dtensor_cannot_run_is_refused_before_the_first_step(case, kind, tmp_path):
+    import tfdist
+    from tfdist.parallel.dtensor import sharding
+    build, rules, layer, _ = REFUSALS[case]
+    if kind == "json_file":
+        path = tmp_path / "layout.json"
+        path.write_text(json.dumps({key: [a or "unsharded" for a in axes]
+                                    for key, axes in rules.items()}))
+        layout = str(path)
+    elif kind == "keras_layout_map":
+        layout = _keras_layout_map(rules)
+    else:
+        layout = rules
+    x, y = arrays(build)
+    strategy = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout=layout)
+    model = build()
+    with pytest.raises(UsageError) as raised:
+        strategy.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0)
+    strategy.close()
+    message = str(raised.value)
+    assert f"'{layer}" in message or f"{layer}/" in message, message
+    assert "DTensor runs convolutions only with replicated filters and channel-replicated " \
+           "inputs; it can split them only along the batch" in message
+    assert re.search(r"(--layout=auto|layout='auto')", message) and "Dense" in message
+    assert "\n" not in message and not any(text in message for text in TF_ERROR_TEXT), message
+    # refused before anything moved: no variable has DTensor storage yet
+    assert not any(isinstance(v.value, sharding.ShardedVariable) for v in model.variables)
+
+
+def test_depthwise_convolutions_are_refused_whatever_the_layout():
+    """DTensor has no layout rule for DepthwiseConv2dNativeBackpropFilter: MobileNetV2
+    fails at the first step even fully replicated, so it is refused before it."""
+    import keras
+    import tfdist
+    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), weights=None, classes=CLASSES,
+                                           alpha=0.35)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.zeros((BATCH, 32, 32, 3), "float32")
+    y = np.zeros((BATCH,), "int32")
+    strategy = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout="auto")
+    with pytest.raises(UsageError, match=r"depthwise convolutions: 'expanded_conv_depthwise' "
+                                         r"\(DepthwiseConv2D\).*(--strategy=mirrored|strategy='mirrored')"):
+        strategy.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0)
+    strategy.close()
+
+
+# ------------------------------------------------------------------------- what auto picks
+
+def _choices(model, ways=2):
+    from tfdist.parallel.dtensor import auto_layout
+    return {c.path: c.spec for c in auto_layout.choose(model, ways)}
+
+
+def test_auto_layout_replicates_every_pair_it_cannot_prove_sealed():
+    import keras
+    layers = keras.layers
+    norm = layers.LayerNormalization   # not elementwise: it ends any chain
+    inputs = keras.Input((6,))
+    a = layers.Dense(8, activation="relu", name="used_twice")(inputs)
+    b = layers.Dense(8, name="after_used_twice")(a)
+    x = norm()(layers.Add()([a, b]))
+    x = layers.Dense(8, activation="softmax", name="softmax_first")(x)
+    x = norm()(layers.Dense(6, name="after_softmax")(x))
+    x = layers.Dense(7, activation="relu", name="odd_hidden")(x)
+    x = norm()(layers.Dense(6, name="after_odd")(x))
+    x = layers.Dense(8, activation="gelu", name="column")(x)
+    x = layers.Activation("tanh")(x)
+    out = layers.Dense(3, name="row")(x)
+    chosen = _choices(keras.Model(inputs, out))
+    assert chosen == {"column/kernel": ("unsharded", "model"), "column/bias": ("model",),
+                      "row/kernel": ("model", "unsharded")}, chosen
+
+
+def test_auto_layout_reads_einsum_dense_pairs_and_respects_the_model_axis():
+    import keras
+    layers = keras.layers
+    inputs = keras.Input((4, 6))
+    x = layers.EinsumDense("abc,cd->abd", output_shape=(None, 12), bias_axes="d",
+                           activation="relu", name="up")(inputs)
+    out = layers.EinsumDense("abd,de->abe", output_shape=(None, 6), name="down")(x)
+    model = keras.Model(inputs, out)
+    assert _choices(model, 2) == {"up/kernel": ("unsharded", "model"), "up/bias": ("model",),
+                                  "down/kernel": ("model", "unsharded")}
+    assert _choices(model, 3) == _choices(model, 2)
+    assert _choices(model, 5) == {}   # 12 hidden units do not split 5 ways
+
+
+def test_auto_layout_never_splits_what_reaches_a_convolution():
+    from tfdist.parallel.dtensor import layout_check
+    for build in (convnet, timeseries_classifier):
+        model = build()
+        chosen = _choices(model)
+        specs = {v.path: chosen.get(v.path, ("unsharded",) * len(v.shape))
+                 for v in model.variables}
+        layout_check.check(model, specs)
+        assert not any(p.startswith(("conv", "bn")) for p in chosen), chosen
+
+
+def test_auto_layout_finds_the_pair_a_subclassed_block_calls_in_python():
+    """tfdist's own transformer block calls mlp_fc_in then mlp_fc_out in its Python call:
+    tracing it shows the pair; its hand-written attention (reshapes into heads) is not a
+    pattern auto can prove, so it stays replicated."""
+    from tfdist import models
+    from tfdist.config import ModelConfig
+    from tfdist.data.base import LANGUAGE_MODEL, DatasetInfo
+    info = DatasetInfo(name="text", task=LANGUAGE_MODEL, input_shape=(SEQ,), input_dtype="int32",
+                       num_classes=VOCAB)
+    model = models.build_model(info, ModelConfig(name="transformer", num_layers=1, d_model=16,
+                                                 num_heads=2, d_ff=32))
+    chosen = _choices(model)
+    assert chosen == {"embedding/embeddings": ("model", "unsharded"),
+                      "block_0/mlp_fc_in/kernel": ("unsharded", "model"),
+                      "block_0/mlp_fc_in/bias": ("model",),
+                      "block_0/mlp_fc_out/kernel": ("model", "unsharded")}, chosen
+    # the trace wrapped sublayers' call on the instance only while it ran
+    assert not any("call" in vars(layer) for layer in model._flatten_layers())
+
+
+def test_keras_graph_api_canary():
+    """model_graph reads Keras' private graph attributes; this fails if they change."""
+    import keras
+    from tfdist.parallel.dtensor import model_graph
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d")], name="inner")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(inner(inputs)))
+    assert isinstance(model._nodes_by_depth, dict) and inner._functional is not None
+    assert [l.name for l in model_graph.sublayers(model)
+            if not isinstance(l, keras.layers.InputLayer)] == ["inner", "d", "head"]
+    (graph,) = model_graph.read(model)
+    names = [call.layer.name for call in graph.calls]
+    assert names == ["d", "head"], names          # the nested Sequential read in place
+    assert graph.calls[0].outputs == graph.calls[1].inputs
+    assert graph.calls[0].inputs == graph.inputs
+
+
+# ------------------------------------------------------------------------- docs and CLI
+
+def readme_example() -> str:
+    text = README.read_text()
+    section = text.split(README_HEADING, 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_example_runs_as_written(caplog):
+    namespace = {}
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        exec(compile(readme_example(), str(README), "exec"), namespace)  # noqa: S102
+    namespace["strategy"].close()
+    assert "layout=auto on mesh batch=2,model=2" in caplog.text
+    kernels = {v.path: split_axes(v) for v in namespace["model"].variables
+               if v.path.endswith("kernel")}
+    assert kernels["ffn_in/kernel"] == kernels["ffn_out/kernel"] == ["model"], kernels
+    assert kernels["attention/query/kernel"] == ["model"] and kernels["head/kernel"] == []
+
+
+def test_cli_layout_auto_prints_its_table(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--strategy=dtensor", "--simulate_devices=4",
+         "--mesh=batch=2,model=2", "--layout=auto", "--model=mlp", "--dataset=synthetic",
+         "--train_steps=1", "--global_batch_size=8", f"--results_json={tmp_path}/r.json"],
+        cwd=README.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "layout=auto on mesh batch=2,model=2" in log, log[-3000:]
+    assert re.search(r"dense_0/kernel +\[unsharded, model\]", log), log[-3000:]
+    assert re.search(r"dense_1/kernel +\[model, unsharded\]", log), log[-3000:]

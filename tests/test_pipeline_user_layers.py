@@ -201,14 +201,14 @@ def initial_weights_and_frozen(build):
 
 # ---------------------------------------------------------------- exactness
 
-# SGD: under Adam this model's position table (looked up with ops.arange: one sparse row
-# per position per micro-batch) is not exact until the pipeline sums sparse gradient rows
-# before Adam squares them (issue 37, schedule.py, another change); Adam is tested on the
-# buffered model below, which also has a custom layer without **kwargs.
-@pytest.mark.parametrize("layout", ["2x4", "hybrid_2x2"])
-def test_keras_io_transformer_without_kwargs_trains_like_one_device(layout):
-    candidate = pipeline_run("transformer", "sgd", layout)
-    assert_exact(one_device("transformer", "sgd"), candidate, replicas(layout))
+# Adam too: the position table is looked up with ops.arange, one sparse row per position
+# per micro-batch, exact since the pipeline sums those rows before Adam squares them
+# (bc92ca9, tfdist/train/sparse_rows.py).
+@pytest.mark.parametrize("optimizer,layout", [("sgd", "2x4"), ("adam", "2x4"),
+                                              ("sgd", "hybrid_2x2")])
+def test_keras_io_transformer_without_kwargs_trains_like_one_device(optimizer, layout):
+    candidate = pipeline_run("transformer", optimizer, layout)
+    assert_exact(one_device("transformer", optimizer), candidate, replicas(layout))
 
 
 @pytest.mark.parametrize("layout", ["2x4", "hybrid_2x2"])

@@ -1,0 +1,909 @@
+"""Conformance: Keras models tfdist did not write, in every mode, against one device.
+
+    python -m experiments.benchmark --suite=conformance [--models=a,b] [--modes=x,y]
+    python -m tfdist.benchmarks.conformance --models=text_transformer --modes=mirrored
+
+The corpus (conformance_models.ZOO: keras.applications, keras-hub, keras-io
+reproductions) x the modes (MODES below). Each cell trains the model 8 steps at a
+global batch of 8, once with Adam and once with SGD, through tfdist's public API
+(tfdist.Strategy(...).fit, or Keras' own model.fit under keras.distribution with
+tfdist.enable_keras_distribution()), and compares it with plain Keras on one device
+(model.train_on_batch on the same 8 batches, same seed, random layers at rate 0).
+A cell lands in exactly one of:
+  exact            per-step losses and every replica's final weights within 1e-5 relative
+                   (tfdist.testing.equivalence's definitions), for both optimizers;
+  refused          tfdist raised a UsageError before the first step (message recorded);
+  announced        not exact, but before the first step a warning named a layer of the
+                   model (the warning recorded; whether it says why is for the reader);
+  SILENT MISMATCH  anything else: not exact and unannounced, any other exception (a
+                   TensorFlow error, a UsageError after training started), a timeout.
+A cell's verdict is the worse of its two optimizers' (SILENT > announced > refused > exact).
+Separately, each model with random layers (Dropout, random augmentation...) at their real
+rates trains 1 step in --random_check modes: every such layer must be named in a warning.
+
+Process layout: TensorFlow fixes its devices at start-up, DTensor and tf.distribute must
+not share a process (tests/conftest.py), and keras.distribution must see the devices a
+user's program would (a dtensor run before it in the process changes what
+keras.distribution.list_devices returns), so per model: one `local` process (4 simulated CPUs: the
+reference, default, mirrored, pipeline), one `dtensor` process, one `keras_distribution`
+process (tfdist.enable_keras_distribution(simulate_devices=4)), and one
+`tfdist launch --workers 2` for both collectives. Each has a fixed timeout
+(--group_timeout); a process that dies or times out leaves its missing cells
+SILENT MISMATCH with the tail of its log. Output: conformance.json and
+conformance.md in --out_dir; exit status 1 when any cell is a silent mismatch or a random
+layer went unwarned.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from tfdist.benchmarks import conformance_models as zoo
+from tfdist.testing import equivalence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 8
+GLOBAL_BATCH = 8
+SEED = 0
+RTOL = equivalence.RTOL
+OPTIMIZERS = ("adam", "sgd")
+EXACT, REFUSED, ANNOUNCED, SILENT = "exact", "refused", "announced", "SILENT MISMATCH"
+SEVERITY = (EXACT, REFUSED, ANNOUNCED, SILENT)     # a cell takes its worst optimizer's
+GROUPS = ("local", "dtensor", "keras_distribution", "multi_worker")   # local first: the reference
+SIMULATED_CPUS = 4
+REFERENCE = "keras"                                # plain Keras on one device
+TFDIST_DIR = os.path.join(REPO, "tfdist") + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    group: str        # which process runs it (GROUPS)
+    title: str        # the table's column heading
+    options: dict     # tfdist.Strategy options; or keras_distribution=data/model
+
+
+MODES: Dict[str, Mode] = {m.name: m for m in (
+    Mode("default", "local", "default (1 device)", dict(strategy="default")),
+    Mode("mirrored", "local", "mirrored x2", dict(strategy="mirrored", simulate_devices=2)),
+    Mode("multi_worker_auto", "multi_worker", "2 workers auto",
+         dict(strategy="multi_worker_mirrored", collective="auto", simulate_devices=0)),
+    Mode("multi_worker_shm", "multi_worker", "2 workers shm",
+         dict(strategy="multi_worker_mirrored", collective="shm", simulate_devices=0)),
+    Mode("dtensor_auto", "dtensor", "dtensor model=2 auto",
+         dict(strategy="dtensor", simulate_devices=2, mesh="batch=1,model=2", layout="auto")),
+    Mode("keras_data_parallel", "keras_distribution", "keras DataParallel x4",
+         dict(keras_distribution="data")),
+    Mode("keras_model_parallel", "keras_distribution", "keras ModelParallel 2x2",
+         dict(keras_distribution="model")),
+    Mode("pipeline", "local", "pipeline 2x4",
+         dict(strategy="pipeline", simulate_devices=2, pipeline_stages=2, microbatches=4)),
+    Mode("pipeline_2x2", "local", "pipeline 2 stages x 2 replicas",
+         dict(strategy="pipeline", simulate_devices=4, pipeline_stages=2, microbatches=2)),
+    Mode("dtensor_2x2", "dtensor", "dtensor batch=2,model=2 auto",
+         dict(strategy="dtensor", simulate_devices=4, mesh="batch=2,model=2", layout="auto")),
+)}
+# Workers wait this long for a peer (default 300 s): a worker whose cell failed must not
+# hold the other for 5 minutes. Tracing the largest model here takes under a minute.
+WORKER_COLLECTIVE_TIMEOUT = 120
+
+
+# =============================================================== inside a training process
+
+class WarningCapture(logging.Handler):
+    """Every warning logged (WARNING and up, on tfdist's logger, which does not propagate,
+    and on the root logger) or raised with warnings.warn while a cell runs, in order."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+        self._seen = set()
+
+    def emit(self, record):
+        if id(record) not in self._seen:     # a record can reach both loggers
+            self._seen.add(id(record))
+            self.messages.append(f"[{record.name}] {record.getMessage()}")
+
+    def _show_warning(self, message, category, filename, *args, **kwargs):
+        source = "tfdist" if os.path.abspath(filename).startswith(TFDIST_DIR) else "python"
+        self.messages.append(f"[{source} {category.__name__}] {message}")
+
+    def __enter__(self):
+        for name in ("tfdist", ""):
+            logging.getLogger(name).addHandler(self)
+        self._catcher = warnings.catch_warnings()
+        self._catcher.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._show_warning
+        return self
+
+    def __exit__(self, *exc):
+        self._catcher.__exit__(*exc)
+        for name in ("tfdist", ""):
+            logging.getLogger(name).removeHandler(self)
+        return False
+
+
+def step_marker(capture: WarningCapture):
+    """A Keras callback counting finished steps and noting how many warnings came before
+    the first step began (those are the ones a user saw before training)."""
+    import keras
+
+    class StepMarker(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps_done, self.warnings_before_training = 0, None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.warnings_before_training is None:
+                self.warnings_before_training = len(capture.messages)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps_done += 1
+
+    return StepMarker()
+
+
+def fresh_keras_state():
+    """Keras' global state cleared, so every build in every process names its layers the
+    same (dense, dense_1, ...): variable paths then agree across the runs compared."""
+    import keras
+    keras.backend.clear_session(free_memory=False)
+
+
+def make_optimizer(name: str):
+    import keras
+    return {"adam": lambda: keras.optimizers.Adam(1e-3),
+            "sgd": lambda: keras.optimizers.SGD(0.01)}[name]()
+
+
+def compiled_builder(spec: zoo.ZooModel, optimizer: str, random_layers: bool = False):
+    def build_and_compile():
+        model = spec.build(random_layers)
+        model.compile(optimizer=make_optimizer(optimizer), loss=spec.loss())
+        return model
+    return build_and_compile
+
+
+def all_layers(model) -> list:
+    """Every layer inside `model`, nested ones included (a custom layer's attributes, a
+    Sequential's layers, a keras-hub backbone's blocks), each once."""
+    import keras
+    found, pending, seen = [], [model], set()
+    while pending:
+        layer = pending.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if layer is not model:
+            found.append(layer)
+        children = list(getattr(layer, "layers", []) if isinstance(layer, keras.Model) else [])
+        for value in vars(layer).values():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            children += [v for v in values if isinstance(v, keras.layers.Layer)]
+        pending.extend(children)
+    return found
+
+
+def random_layer_names(model) -> List[str]:
+    """Layers that draw random numbers in training: those holding a SeedGenerator."""
+    import keras
+    return [layer.name for layer in all_layers(model)
+            if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())]
+
+
+def probe(spec: zoo.ZooModel, random_layers: bool = False):
+    """The model as every run of this process builds it (same names, same seed)."""
+    import keras
+    fresh_keras_state()
+    keras.utils.set_random_seed(SEED)
+    return spec.build(random_layers)
+
+
+def batches(tree, steps: int):
+    """The `steps` global batches of a NumPy structure, in order."""
+    import keras
+    return [keras.tree.map_structure(lambda a: a[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH], tree)
+            for k in range(steps)]
+
+
+def train_reference(spec, optimizer, callbacks, steps=STEPS):
+    """Plain Keras on one device: train_on_batch over the same global batches (each call's
+    loss is exactly that step's, unlike fit's running mean)."""
+    import keras
+    x, y = spec.data(steps * GLOBAL_BATCH, SEED)
+    fresh_keras_state()
+    keras.utils.set_random_seed(SEED)
+    model = compiled_builder(spec, optimizer)()
+    losses = []
+    for xb, yb in zip(batches(x, steps), batches(y, steps)):
+        losses.append(float(model.train_on_batch(xb, yb, return_dict=True)["loss"]))
+        callbacks[0].steps_done += 1
+    return losses, {"one device": model.get_weights()}
+
+
+def train_tfdist(spec, mode, optimizer, callbacks, random_layers=False, steps=STEPS):
+    """tfdist.Strategy(...).fit through tfdist.testing.equivalence.train_keras."""
+    options = dict(mode.options)
+    strategy = options.pop("strategy")
+    if strategy == "multi_worker_mirrored":
+        options["collective_timeout"] = WORKER_COLLECTIVE_TIMEOUT
+    x, y = spec.data(steps * GLOBAL_BATCH, SEED)
+    fresh_keras_state()
+    run = equivalence.train_keras(
+        strategy, compiled_builder(spec, optimizer, random_layers), x, y, seed=SEED,
+        fit_kwargs=dict(batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, callbacks=callbacks),
+        label=mode.name, **options)
+    return list(run.losses), run.replica_weights
+
+
+def train_keras_distribution(spec, mode, optimizer, callbacks, random_layers=False,
+                             steps=STEPS):
+    """Keras' own model.fit under keras.distribution (tfdist routes it)."""
+    import keras
+    from tfdist import keras_distribution
+    x, y = spec.data(steps * GLOBAL_BATCH, SEED)
+    distribution = make_distribution(spec, mode.options["keras_distribution"])
+    fresh_keras_state()        # before set_distribution: clear_session forgets it
+    keras.distribution.set_distribution(distribution)
+    try:
+        keras.utils.set_random_seed(SEED)
+        model = compiled_builder(spec, optimizer, random_layers)()
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        losses = keras_distribution.strategy_for(distribution).last_result.losses
+        return list(losses), {"model": model.get_weights()}
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def make_distribution(spec, kind: str):
+    import keras
+    if kind == "data":      # as users write it: every device
+        return keras.distribution.DataParallel()
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         devices=keras.distribution.list_devices())
+    return keras.distribution.ModelParallel(layout_map=model_parallel_layout(spec, mesh),
+                                            batch_dim_name="batch")
+
+
+def model_parallel_layout(spec, mesh):
+    """What a user hands ModelParallel: the library's own layout map when the model comes
+    with one (keras-hub's Backbone.get_layout_map), else the Keras distribution guide's
+    pattern applied to every Dense layer: kernel columns and bias over `model`, where the
+    column count divides by the axis."""
+    import keras
+    model = probe(spec)
+    backbone = getattr(model, "backbone", None)
+    if backbone is not None and hasattr(type(backbone), "get_layout_map"):
+        return type(backbone).get_layout_map(mesh)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    model_size = dict(zip(mesh.axis_names, mesh.shape))["model"]
+    for layer in all_layers(model):
+        if isinstance(layer, keras.layers.Dense) and layer.built and \
+                layer.kernel.shape[-1] % model_size == 0:
+            layout_map[re.escape(layer.kernel.path)] = (None, "model")
+            if layer.bias is not None:
+                layout_map[re.escape(layer.bias.path)] = ("model",)
+    return layout_map
+
+
+def trainer_for(mode_name: str):
+    if mode_name == REFERENCE:
+        return lambda spec, mode, optimizer, callbacks, random_layers, steps: \
+            train_reference(spec, optimizer, callbacks, steps)
+    if "keras_distribution" in MODES[mode_name].options:
+        return train_keras_distribution
+    return train_tfdist
+
+
+def run_cell(spec, mode_name: str, optimizer: str, random_layers=False, steps=STEPS) -> tuple:
+    """Trains one cell here; returns (record, replica weights). Never raises: an exception
+    is part of the record (its type, message and whether a step had run)."""
+    mode = MODES.get(mode_name)
+    capture = WarningCapture()
+    marker = step_marker(capture)
+    started = time.time()
+    losses, weights, error = [], {}, None
+    with capture:
+        try:
+            losses, weights = trainer_for(mode_name)(spec, mode, optimizer, [marker],
+                                                     random_layers=random_layers, steps=steps)
+        except Exception as exception:   # the record says what it was
+            error = describe_exception(exception)
+    before = marker.warnings_before_training
+    record = dict(model=spec.name, mode=mode_name, optimizer=optimizer, losses=losses,
+                  replicas=list(weights), steps_done=marker.steps_done, error=error,
+                  warnings_before_training=capture.messages[:before] if before is not None
+                  else list(capture.messages),
+                  warnings=list(capture.messages), seconds=round(time.time() - started, 1))
+    return record, weights
+
+
+def describe_exception(exception) -> dict:
+    from tfdist.errors import UsageError
+    kind = type(exception)
+    return dict(type=f"{kind.__module__}.{kind.__qualname__}", message=str(exception),
+                usage_error=isinstance(exception, UsageError))
+
+
+def cell_stem(work_dir, model, mode, optimizer, rank=None):
+    suffix = f".rank{rank}" if rank is not None else ""
+    return os.path.join(work_dir, model, f"{mode}.{optimizer}{suffix}")
+
+
+def save_cell(stem: str, record: dict, weights: dict) -> None:
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    arrays = {f"r{r}_w{i}": np.asarray(w) for r, replica in enumerate(weights.values())
+              for i, w in enumerate(replica)}
+    np.savez(stem + ".npz", **arrays)
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, default=float)
+
+
+def load_weights(stem: str, replicas: int) -> List[List[np.ndarray]]:
+    with np.load(stem + ".npz") as saved:
+        return [[saved[f"r{r}_w{i}"] for i in range(sum(1 for k in saved.files
+                                                         if k.startswith(f"r{r}_")))]
+                for r in range(replicas)]
+
+
+def check_random_layers(spec, mode_name: str) -> dict:
+    """1 step with random layers at their real rates: was each named in a warning?"""
+    names = random_layer_names(probe(spec, random_layers=True))
+    result = dict(model=spec.name, mode=mode_name, random_layers=names)
+    if not names:
+        return dict(result, verdict="no random layers")
+    record, _ = run_cell(spec, mode_name, "adam", random_layers=True, steps=1)
+    told = record["warnings_before_training"]
+    missing = [n for n in names if not any(mentions(m, n) for m in told)]
+    if record["error"] and record["steps_done"] == 0 and record["error"]["usage_error"]:
+        verdict = "refused"
+    elif record["error"]:
+        verdict = "crashed"
+    else:
+        verdict = "warned" if not missing else "NOT WARNED"
+    return dict(result, verdict=verdict, missing=missing, error=record["error"],
+                warnings=[m for m in told if any(mentions(m, n) for n in names)])
+
+
+def mentions(message: str, layer_name: str) -> bool:
+    """Whether a message names the layer (as a whole word: `dense` is not `dense_1`)."""
+    return re.search(rf"(?<![\w]){re.escape(layer_name)}(?![\w])", message) is not None
+
+
+def run_group(args) -> None:
+    """One process's cells for one model, each saved as it finishes (a crash later in the
+    process keeps the cells before it)."""
+    rank = os.environ.get("TFDIST_RANK")
+    if args.run_group in ("local", "dtensor"):
+        from tfdist import devices
+        devices.simulate_cpus(SIMULATED_CPUS)
+    elif args.run_group == "keras_distribution":
+        import tfdist
+        tfdist.enable_keras_distribution(simulate_devices=SIMULATED_CPUS)
+    spec = zoo.ZOO[args.model]
+    modes = split(args.modes)
+    if args.run_group == "local":
+        modes = [REFERENCE] + modes
+        save_model_facts(spec, args.work_dir)
+    for mode in modes:
+        for optimizer in split(args.optimizers):
+            record, weights = run_cell(spec, mode, optimizer)
+            save_cell(cell_stem(args.work_dir, spec.name, mode, optimizer, rank), record,
+                      weights)
+            print(f"CELL {spec.name} {mode} {optimizer} {cell_status(record)} "
+                  f"{record['seconds']}s", flush=True)
+    for mode in split(args.random_check):
+        if rank in (None, "0") or MODES[mode].group == "multi_worker":
+            result = check_random_layers(spec, mode)
+            if rank in (None, "0"):
+                path = os.path.join(args.work_dir, spec.name, f"random.{mode}.json")
+                with open(path, "w") as f:
+                    json.dump(result, f)
+                print(f"RANDOM {spec.name} {mode} {result['verdict']}", flush=True)
+
+
+def save_model_facts(spec, work_dir) -> None:
+    """Layer names (to recognise an announcement) and variable paths (to name a variable)."""
+    model = probe(spec)
+    facts = dict(layers=[layer.name for layer in all_layers(model)],
+                 paths=[v.path for v in model.weights], parameters=int(model.count_params()))
+    os.makedirs(os.path.join(work_dir, spec.name), exist_ok=True)
+    with open(os.path.join(work_dir, spec.name, "model.json"), "w") as f:
+        json.dump(facts, f)
+
+
+def cell_status(record) -> str:
+    if record["error"]:
+        return f"raised {record['error']['type'].rsplit('.', 1)[-1]} after " \
+               f"{record['steps_done']} step(s)"
+    return f"trained {len(record['losses'])} step(s)"
+
+
+def split(text: Optional[str]) -> List[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def from_tfdist(message: str) -> bool:
+    """A warning tfdist gave (its loggers, or warnings.warn from its files): only those
+    count as an announcement; Keras' own warnings may name layers for other reasons."""
+    return message.startswith("[tfdist")
+
+
+# ============================================================ the orchestrating process
+
+def group_command(group: str, model: str, modes, random_modes, optimizers, work_dir) -> list:
+    inner = [sys.executable, "-m", "tfdist.benchmarks.conformance", f"--run_group={group}",
+             f"--model={model}", f"--modes={','.join(modes)}",
+             f"--random_check={','.join(random_modes)}", f"--optimizers={','.join(optimizers)}",
+             f"--work_dir={work_dir}"]
+    if group == "multi_worker":
+        return [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", *inner]
+    return inner
+
+
+def run_process(command: list, log_path: str, timeout: float) -> dict:
+    """Runs one group, its output to log_path and its CELL/RANDOM lines echoed as progress;
+    past `timeout` seconds its process group gets SIGTERM, then SIGKILL."""
+    import threading
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    started = time.time()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        echo = threading.Thread(target=copy_output, args=(process.stdout, log), daemon=True)
+        echo.start()
+        try:
+            status = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            end_process_group(process)
+            status = f"timed out after {timeout:.0f} s"
+        echo.join(10)
+    return dict(status=status, seconds=round(time.time() - started, 1), log=log_path)
+
+
+def copy_output(stream, log) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if line.startswith(("CELL ", "RANDOM ")) or "] CELL " in line or "] RANDOM " in line:
+            print("    " + line.rstrip(), flush=True)
+
+
+def end_process_group(process, grace: float = 30) -> None:
+    """SIGTERM first: `tfdist launch` forwards it to its workers (their own groups)."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(path: str, lines: int = 12) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).strip()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------- judging a cell
+
+def load_cell(work_dir, model, mode, optimizer, rank=None):
+    """(record, [replica weights]) of a cell, or None when it left no record."""
+    stem = cell_stem(work_dir, model, mode, optimizer, rank)
+    if not os.path.exists(stem + ".json"):
+        return None
+    with open(stem + ".json") as f:
+        record = json.load(f)
+    return record, load_weights(stem, len(record["replicas"]))
+
+
+def ranks_of(mode: str):
+    return [0, 1] if MODES[mode].group == "multi_worker" else [None]
+
+
+def judge(reference, candidate, layer_names, outcome) -> dict:
+    """One optimizer's verdict for one process (or rank) against the reference."""
+    if candidate is None:
+        return dict(verdict=SILENT, message=f"no result: the process ended ({outcome['status']})"
+                    f"; log tail:\n{log_tail(outcome['log'])}", error=None)
+    record, replicas = candidate
+    if record["error"]:
+        error = record["error"]
+        if error["usage_error"] and record["steps_done"] == 0:
+            return dict(verdict=REFUSED, message=error["message"], error=None)
+        return dict(verdict=SILENT, message=f"{error['type']} after {record['steps_done']} "
+                    f"step(s): {error['message']}", error=None)
+    problems, errors = differences(reference, record, replicas)
+    if not problems:
+        return dict(verdict=EXACT, message=None, error=max(errors))
+    told = [m for m in record["warnings_before_training"]
+            if from_tfdist(m) and any(mentions(m, name) for name in layer_names)]
+    verdict = ANNOUNCED if told else SILENT
+    message = "\n".join(told) if told else "not exact, no warning named a layer: " + \
+        "; ".join(problems[:4])
+    return dict(verdict=verdict, message=message, error=max(errors))
+
+
+def differences(reference, record, replicas):
+    """(problems, errors): equivalence's loss and per-variable weight checks, and the
+    largest relative errors they measured."""
+    ref_record, ref_weights = reference
+    ref = equivalence.Record("one device", ref_record["losses"], ref_weights[0])
+    problems, errors = [], []
+    candidate = equivalence.Record(record["mode"], record["losses"], None)
+    problems += equivalence.loss_mismatches(ref, candidate)
+    if len(ref.losses) == len(candidate.losses) and ref.losses:
+        errors.append(equivalence.max_relative_loss_error(ref, candidate))
+    else:
+        errors.append(float("inf"))
+    for label, weights in zip(record["replicas"], replicas):
+        found = equivalence.weight_mismatches(ref, equivalence.Record(label, [], weights))
+        problems += [f"{label}: {p}" for p in found]
+        if len(weights) == len(ref.weights):
+            errors += [weight_error(g, r) for g, r in zip(weights, ref.weights)
+                       if np.shape(g) == np.shape(r)]
+    return problems, errors
+
+
+def weight_error(got, ref) -> float:
+    """The variable's relative error, or 0 when every entry is within equivalence.ATOL
+    (the harness' own rule: a key bias attention never moves holds ~1e-8 of noise, whose
+    relative error means nothing)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if ref.size == 0 or np.max(np.abs(got - ref)) <= equivalence.ATOL:
+        return 0.0
+    return equivalence.relative_error(got, ref)
+
+
+def judge_cell(work_dir, model, mode, optimizers, facts, outcomes) -> dict:
+    """A (model, mode) cell: each optimizer judged on every rank, the worst verdict kept."""
+    per_optimizer = {}
+    for optimizer in optimizers:
+        reference = load_cell(work_dir, model, REFERENCE, optimizer)
+        if reference is None or reference[0]["error"]:
+            per_optimizer[optimizer] = dict(verdict=None, error=None, message=(
+                f"no reference: plain Keras failed "
+                f"({reference[0]['error'] if reference else 'no record'})"))
+            continue
+        judged = [judge(reference, load_cell(work_dir, model, mode, optimizer, rank),
+                        facts.get("layers", []), outcomes[MODES[mode].group])
+                  for rank in ranks_of(mode)]
+        worst = max(judged, key=lambda j: SEVERITY.index(j["verdict"]))
+        seconds = [c[0]["seconds"] for c in (load_cell(work_dir, model, mode, optimizer, r)
+                                             for r in ranks_of(mode)) if c]
+        trained = all(c and not c[0]["error"] for c in (
+            load_cell(work_dir, model, mode, optimizer, r) for r in ranks_of(mode)))
+        per_optimizer[optimizer] = dict(worst, seconds=max(seconds) if seconds else None,
+                                        trained=trained)
+    verdicts = [o["verdict"] for o in per_optimizer.values()]
+    verdict = None if None in verdicts else max(verdicts, key=SEVERITY.index)
+    errors = [o["error"] for o in per_optimizer.values() if o.get("error") is not None]
+    return dict(model=model, mode=mode, verdict=verdict,
+                worst_error=max(errors) if errors else None, optimizers=per_optimizer)
+
+
+# ---------------------------------------------------------------------- the whole corpus
+
+def run_corpus(models, modes, random_modes, optimizers, work_dir, timeout) -> dict:
+    """Runs every model's processes in order, then judges every cell."""
+    started = time.time()
+    cells, random_checks, groups = [], [], []
+    for index, model in enumerate(models, start=1):
+        print(f"[{index}/{len(models)}] {model}", flush=True)
+        outcomes = run_model(model, modes, random_modes, optimizers, work_dir, timeout)
+        groups += [dict(model=model, group=group, **o) for group, o in outcomes.items()]
+        facts = model_facts(work_dir, model)
+        cells += [judge_cell(work_dir, model, mode, optimizers, facts, outcomes) for mode in modes]
+        random_checks += [random_check_result(work_dir, model, mode, outcomes)
+                          for mode in random_modes]
+    return dict(cells=cells, random_checks=random_checks, groups=groups,
+                elapsed_s=round(time.time() - started, 1))
+
+
+def run_model(model, modes, random_modes, optimizers, work_dir, timeout) -> dict:
+    """One model's processes, group by group; returns group -> how its process ended."""
+    os.makedirs(os.path.join(work_dir, model), exist_ok=True)
+    outcomes = {}
+    for group in GROUPS:
+        group_modes = [m for m in modes if MODES[m].group == group]
+        group_checks = [m for m in random_modes if MODES[m].group == group]
+        if group != "local" and not group_modes and not group_checks:
+            continue    # the local group always runs: it trains the reference
+        print(f"  {group}: {', '.join(['reference'] * (group == 'local') + group_modes)}",
+              flush=True)
+        command = group_command(group, model, group_modes, group_checks, optimizers, work_dir)
+        outcomes[group] = run_process(command, os.path.join(work_dir, model, f"{group}.log"),
+                                      timeout)
+        print(f"  {group} ended ({outcomes[group]['status']}) after "
+              f"{outcomes[group]['seconds']} s", flush=True)
+    return outcomes
+
+
+def model_facts(work_dir, model) -> dict:
+    path = os.path.join(work_dir, model, "model.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def random_check_result(work_dir, model, mode, outcomes) -> dict:
+    path = os.path.join(work_dir, model, f"random.{mode}.json")
+    if not os.path.exists(path):
+        outcome = outcomes.get(MODES[mode].group, {})
+        return dict(model=model, mode=mode, verdict="no result",
+                    error=dict(message=f"the process ended ({outcome.get('status')})"))
+    with open(path) as f:
+        return json.load(f)
+
+
+def summarize(cells, random_checks) -> dict:
+    counts = {v: sum(1 for c in cells if c["verdict"] == v) for v in SEVERITY}
+    judged = sum(counts.values())
+    return dict(cells=len(cells), **counts, no_reference=len(cells) - judged,
+                exact_share=round(counts[EXACT] / judged, 3) if judged else None,
+                random_layers_unwarned=sum(1 for r in random_checks
+                                           if r["verdict"] in ("NOT WARNED", "crashed",
+                                                               "no result")))
+
+
+def exit_status(summary) -> int:
+    """1: a silent mismatch (or an unwarned random layer, or a model plain Keras could not
+    train: then nothing was compared); 0 otherwise."""
+    return 1 if (summary[SILENT] or summary["random_layers_unwarned"]
+                 or summary["no_reference"]) else 0
+
+
+# ---------------------------------------------------------------------- the report
+
+def write_report(result: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "conformance.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    text = markdown(result)
+    with open(os.path.join(out_dir, "conformance.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    lines = [f"Command: `{result['command']}` (commit {result['commit']}, {result['date']}, "
+             f"{result['elapsed_s'] / 60:.1f} min). Each cell: {STEPS} steps at a global batch "
+             f"of {GLOBAL_BATCH} with {' and '.join(result['optimizers'])}, against plain Keras "
+             f"on one device; exact = per-step losses and final weights within {RTOL:g} relative.",
+             "",
+             f"**{s['cells']} cells: {s[EXACT]} exact ({percent(s['exact_share'])}), "
+             f"{s[REFUSED]} refused, {s[ANNOUNCED]} announced, {s[SILENT]} SILENT MISMATCH**"
+             + (f", {s['no_reference']} without a reference" if s["no_reference"] else "")
+             + f". Random layers unwarned: {s['random_layers_unwarned']}.", ""]
+    notes = Footnotes()
+    lines += cell_table(result, notes) + [""]
+    lines += random_table(result["random_checks"], notes) + [""]
+    lines += timing_lines(result) + [""]
+    lines += notes.lines()
+    return "\n".join(lines) + "\n"
+
+
+def percent(share) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+class Footnotes:
+    """Each distinct message once, numbered, with the cells that gave it."""
+
+    def __init__(self):
+        self.keys, self.where = [], {}
+
+    def ref(self, kind: str, message: str, where: str) -> str:
+        key = (kind, message)
+        if key not in self.where:
+            self.keys.append(key)
+            self.where[key] = []
+        self.where[key].append(where)
+        return f"[{self.keys.index(key) + 1}]"
+
+    def lines(self) -> list:
+        out = ["## Messages", ""] if self.keys else []
+        for number, key in enumerate(self.keys, start=1):
+            kind, message = key
+            out += [f"**[{number}] {kind}** ({'; '.join(self.where[key])}):", "", "```",
+                    message.strip(), "```", ""]
+        return out
+
+
+def cell_table(result, notes) -> list:
+    modes = result["modes"]
+    lines = ["| model | source | " + " | ".join(MODES[m].title for m in modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
+    by_key = {(c["model"], c["mode"]): c for c in result["cells"]}
+    for model in result["models"]:
+        spec = zoo.ZOO[model]
+        row = [cell_text(by_key[(model, mode)], notes) for mode in modes]
+        lines.append(f"| {model} | {spec.family}: {spec.origin} | " + " | ".join(row) + " |")
+    return lines
+
+
+def cell_text(cell, notes) -> str:
+    verdict = cell["verdict"] or "no reference"
+    text = f"**{verdict}**" if verdict in (SILENT, "no reference") else verdict
+    if cell["worst_error"] is not None:
+        text += f" {cell['worst_error']:.1e}"
+    refs = []
+    for optimizer, judged in cell["optimizers"].items():
+        if judged.get("message") and judged["verdict"] != EXACT:
+            refs.append(notes.ref(judged["verdict"] or "no reference", judged["message"],
+                                  f"{cell['model']} {cell['mode']} {optimizer}"))
+    return " ".join([text] + sorted(set(refs), key=refs.index))
+
+
+def random_table(checks, notes) -> list:
+    if not checks:
+        return []
+    lines = ["Random layers at their real rates (1 step; a tfdist warning must name each):", "",
+             "| model | mode | random layers | verdict |", "|---|---|---|---|"]
+    for check in checks:
+        verdict = check["verdict"]
+        if check.get("missing"):
+            verdict += " (" + ", ".join(check["missing"]) + ")"
+        if check.get("error"):
+            verdict += " " + notes.ref(check["verdict"], check["error"]["message"],
+                                       f"{check['model']} {check['mode']} random layers")
+        elif check.get("warnings"):
+            verdict += " " + notes.ref("random-layer warning", "\n".join(check["warnings"]),
+                                       f"{check['model']} {check['mode']}")
+        lines.append(f"| {check['model']} | {check['mode']} | "
+                     f"{', '.join(check.get('random_layers', [])) or '-'} | {verdict} |")
+    return lines
+
+
+def timing_lines(result) -> list:
+    """Seconds per training (build, trace and 8 steps) by mode, and per process group."""
+    lines = ["Seconds per training that ran its 8 steps (one model, one optimizer; build, "
+             "trace and steps), by mode:", ""]
+    for mode in [REFERENCE] + result["modes"]:
+        times = [o["seconds"] for c in result["cells"] if c["mode"] == mode
+                 for o in c["optimizers"].values()
+                 if o.get("seconds") is not None and o["verdict"] in (EXACT, ANNOUNCED, SILENT)
+                 and o.get("trained")]
+        if mode == REFERENCE:
+            times = result.get("reference_seconds", [])
+        if times:
+            lines.append(f"- {mode}: median {np.median(times):.1f}, max {max(times):.1f} "
+                         f"({len(times)} runs)")
+    groups = result["groups"]
+    for group in GROUPS:
+        walls = [g["seconds"] for g in groups if g["group"] == group]
+        if walls:
+            lines.append(f"- `{group}` processes: median {np.median(walls):.0f} s, max "
+                         f"{max(walls):.0f} s, total {sum(walls) / 60:.1f} min")
+    return lines
+
+
+# ---------------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="all", help="model names or families "
+                        "(keras.applications, keras-hub, keras-io), comma-separated; all")
+    parser.add_argument("--modes", default="all", help=f"of {', '.join(MODES)}; all")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--random_check", default="mirrored", help="modes in which models "
+                        "with random layers train 1 step at real rates; none to skip")
+    parser.add_argument("--group_timeout", type=float, default=900,
+                        help="seconds for one model's process (or launch) of one group")
+    parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--work_dir", default=None, help="per-cell records (default: a "
+                        "temporary directory, kept)")
+    parser.add_argument("--list", action="store_true", help="print the corpus and modes")
+    parser.add_argument("--run_group", choices=GROUPS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def select_models(text: str) -> List[str]:
+    from tfdist.errors import UsageError
+    if text == "all":
+        return list(zoo.ZOO)
+    families = {spec.family for spec in zoo.ZOO.values()}
+    chosen = []
+    for name in split(text):
+        if name in families:
+            chosen += [m for m, spec in zoo.ZOO.items() if spec.family == name]
+        elif name in zoo.ZOO:
+            chosen.append(name)
+        else:
+            raise UsageError(f"--models: unknown model or family {name!r}. Valid: all, "
+                             f"{', '.join(sorted(families))}, {', '.join(zoo.ZOO)}.")
+    return list(dict.fromkeys(chosen))
+
+
+def select_modes(text: str, flag: str, allow_none: bool = False) -> List[str]:
+    from tfdist.errors import UsageError
+    if text == "all":
+        return list(MODES)
+    if allow_none and text in ("none", ""):
+        return []
+    unknown = [m for m in split(text) if m not in MODES]
+    if unknown or not split(text):
+        raise UsageError(f"{flag}: unknown mode(s) {', '.join(unknown) or repr(text)}. "
+                         f"Valid: all, {', '.join(MODES)}.")
+    return [m for m in MODES if m in split(text)]    # the table's column order
+
+
+def corpus_listing() -> str:
+    lines = [f"{name:24s} {spec.family:20s} {spec.origin}" for name, spec in zoo.ZOO.items()]
+    lines += [""] + [f"{m.name:22s} {m.group:13s} {m.title}" for m in MODES.values()]
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    from tfdist.errors import UsageError
+    args = parse_args(argv)
+    if args.run_group:
+        run_group(args)
+        return 0
+    if args.list:
+        print(corpus_listing())
+        return 0
+    try:
+        models = select_models(args.models)
+        modes = select_modes(args.modes, "--modes")
+        random_modes = select_modes(args.random_check, "--random_check", allow_none=True)
+        optimizers = split(args.optimizers)
+        bad = [o for o in optimizers if o not in OPTIMIZERS]
+        if bad or not optimizers:
+            raise UsageError(f"--optimizers: {args.optimizers!r}; valid: {', '.join(OPTIMIZERS)}.")
+    except UsageError as error:
+        print(f"tfdist: error: {error}", file=sys.stderr)
+        return 2
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="tfdist-conformance-")
+    print(f"conformance: {len(models)} model(s) x {len(modes)} mode(s) x {optimizers}; "
+          f"records in {work_dir}", flush=True)
+    result = run_corpus(models, modes, random_modes, optimizers, work_dir, args.group_timeout)
+    result.update(command="python -m tfdist.benchmarks.conformance " + " ".join(
+        sys.argv[1:] if argv is None else argv), commit=git_commit(),
+        date=time.strftime("%Y-%m-%d %H:%M"), models=models, modes=modes,
+        optimizers=optimizers, steps=STEPS, global_batch=GLOBAL_BATCH, rtol=RTOL,
+        work_dir=work_dir, reference_seconds=reference_seconds(work_dir, models, optimizers))
+    result["summary"] = summarize(result["cells"], result["random_checks"])
+    print(write_report(result, args.out_dir))
+    return exit_status(result["summary"])
+
+
+def reference_seconds(work_dir, models, optimizers) -> list:
+    return [c[0]["seconds"] for m in models for o in optimizers
+            for c in [load_cell(work_dir, m, REFERENCE, o)] if c]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

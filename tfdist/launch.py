@@ -84,7 +84,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from tfdist import cluster
 from tfdist.parallel import ring_auth
-from tfdist.errors import UsageError, require
+from tfdist.errors import EXIT_USAGE_ERROR, UsageError, require
 
 LOG_PREFIX = "[tfdist launch] "
 POLL_SECONDS = 0.05          # how often the launcher looks at its workers
@@ -924,17 +924,27 @@ def run(options: LaunchOptions) -> int:
             if signals.received:
                 log(f"{outcome.message}; all workers ended.")
                 return outcome.exit_code
-            if attempt == options.max_restarts:
+            if attempt == options.max_restarts or outcome.exit_code == EXIT_USAGE_ERROR:
                 break
             log(f"{outcome.message}; ended every worker. "
                 f"restart {attempt + 1}/{options.max_restarts} with fresh ports.")
-    if options.max_restarts:
-        log(f"giving up after {options.max_restarts} restart(s): {outcome.message} "
-            f"(exit status {outcome.exit_code}).")
-    else:
-        log(f"{outcome.message}; ended every worker (exit status {outcome.exit_code}). "
-            f"Use --max_restarts to restart the group automatically.")
+    log(failure_advice(outcome, options.max_restarts))
     return outcome.exit_code
+
+
+def failure_advice(outcome: Outcome, max_restarts: int) -> str:
+    """The launcher's last line after a failed group. A usage error (exit 2: tfdist's
+    entry points and tfdist.Strategy in a launched worker exit so) is a mistake in the
+    command or the program, the same at every attempt: restarting cannot help."""
+    ended = f"{outcome.message}; ended every worker (exit status {outcome.exit_code})"
+    if outcome.exit_code == EXIT_USAGE_ERROR:
+        return (f"{ended}. Exit status {EXIT_USAGE_ERROR} is a usage error (the worker's "
+                f"message above says what to change): a restart would fail the same way, so "
+                f"none is tried.")
+    if max_restarts:
+        return (f"giving up after {max_restarts} restart(s): {outcome.message} "
+                f"(exit status {outcome.exit_code}).")
+    return f"{ended}. Use --max_restarts to restart the group automatically."
 
 
 def launch(argv: Sequence[str]) -> int:

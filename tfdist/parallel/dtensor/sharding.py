@@ -81,6 +81,13 @@ class ShardedVariable(dtensor.DVariable):
         full = dtensor.relayout(value, dtensor.Layout.replicated(dtensor.fetch_layout(value).mesh, rank))
         return dtensor.unpack(full)[0].numpy()
 
+    def assign(self, value, *args, **kwargs):
+        """A full value given eagerly (Keras' load_weights and set_weights, after training)
+        is packed into this variable's layout first: DTensor's assign takes only DTensors."""
+        if tf.executing_eagerly() and not dtensor.is_dtensor(value):
+            value = pack(np.asarray(value, self.dtype.as_numpy_dtype), self.layout)
+        return super().assign(value, *args, **kwargs)
+
 
 def give_dtensor_storage(variable, layout: dtensor.Layout) -> None:
     """Replaces a built Keras variable's tf.Variable by a DVariable with `layout`."""

@@ -92,7 +92,7 @@ def convnet():
     inputs = keras.Input((8, 8, 3))
     x = layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv1")(inputs)
     x = layers.BatchNormalization(name="bn1")(x)
-    x = layers.ReLU()(x)
+    x = layers.ReLU(name="relu1")(x)
     x = layers.Conv2D(8, 3, padding="same", name="conv2")(x)
     x = layers.MaxPooling2D()(x)
     x = layers.Flatten()(x)
@@ -254,8 +254,9 @@ def test_a_layout_dtensor_cannot_run_is_refused_before_the_first_step(case, kind
 
 
 def test_depthwise_convolutions_are_refused_whatever_the_layout():
-    """DTensor has no layout rule for DepthwiseConv2dNativeBackpropFilter: MobileNetV2
-    fails at the first step even fully replicated, so it is refused before it."""
+    """DTensor has no layout rule for DepthwiseConv2dNative's gradients (filter and
+    input): MobileNetV2 fails at the first step even fully replicated, so it is refused
+    before it."""
     import keras
     import tfdist
     model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), weights=None, classes=CLASSES,
@@ -268,6 +269,18 @@ def test_depthwise_convolutions_are_refused_whatever_the_layout():
                                          r"\(DepthwiseConv2D\).*(--strategy=mirrored|strategy='mirrored')"):
         strategy.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0)
     strategy.close()
+
+
+def test_a_keras_activation_layout_that_splits_channels_before_a_convolution_is_refused():
+    """keras.distribution's `<layer path>/output` keys relayout a layer's output (Keras'
+    Layer.__call__): one splitting the channels that reach a convolution is refused too."""
+    from tfdist.parallel.dtensor import layout_check
+    model = convnet()
+    replicated = {v.path: ("unsharded",) * len(v.shape) for v in model.variables}
+    with pytest.raises(UsageError, match=re.escape("the activation layout 'relu.?/output'") +
+                       r".*convolution 'conv[12]'"):
+        layout_check.check(model, replicated, {"relu.?/output": ("batch", None, None, "model")})
+    layout_check.check(model, replicated, {"relu.?/output": ("batch", None, None, None)})
 
 
 # ------------------------------------------------------------------------- what auto picks

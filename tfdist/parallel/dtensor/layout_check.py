@@ -24,8 +24,10 @@ layers; so is a split variable of a convolution, and a split inside a layer with
 convolutions whose Python call tfdist cannot see (a subclassed block).
 
 Depthwise convolutions (DepthwiseConv1D/2D, SeparableConv1D/2D) are refused
-whatever the layout: DTensor has no layout rule for the gradient of their filter
-('DepthwiseConv2dNativeBackpropFilter'), so they fail even fully replicated.
+whatever the layout: DTensor has no layout rule for the gradients of their filter
+and input ('DepthwiseConv2dNativeBackpropFilter' / 'BackpropInput'; measured on
+TF 2.21), so they fail even fully replicated, and frozen too unless they are the
+first layer.
 """
 
 import re
@@ -101,10 +103,11 @@ def is_conv(layer) -> bool:
 
 
 def depthwise_layers(model) -> List[object]:
-    """Depthwise convolutions whose filter trains (a frozen one has no filter gradient)."""
+    """Every depthwise or separable convolution: DTensor has no layout rule for the
+    gradient of their filter nor of their input, so even a frozen one fails unless
+    nothing before it trains."""
     return [layer for layer in model_graph.sublayers(model)
-            if isinstance(layer, depthwise_classes()) and layer.trainable
-            and layer.trainable_variables]
+            if isinstance(layer, depthwise_classes())]
 
 
 def layer_path(layer) -> str:
@@ -300,6 +303,7 @@ def _depthwise_message(layers) -> str:
     more = f" and {len(layers) - SHOWN} more" if len(layers) > SHOWN else ""
     return (f"--strategy=dtensor cannot train depthwise convolutions: {names}{more}. "
             f"{RULE}, and for a depthwise (or separable) convolution it has no rule at all "
-            f"for the gradient of the filter, so it fails whatever the layout, even fully "
-            f"replicated. Train this model with a data-parallel mode (--strategy=mirrored "
-            f"or multi_worker_mirrored), or freeze those layers (trainable=False).")
+            f"for the gradients of its filter and input (TensorFlow 2.21), so it fails "
+            f"whatever the layout, even fully replicated. Train this model with a "
+            f"data-parallel mode (--strategy=mirrored or multi_worker_mirrored), which "
+            f"trains it like one device.")

@@ -41,6 +41,11 @@ Suites:
   torch_pipeline    tfdist's gpipe / 1f1b across 2 processes and DTensor megatron
              tensor parallelism against torch.distributed pipelining and tensor
              parallelism, 2 processes x 1 thread (torch optional).
+  conformance  third-party Keras models (keras.applications, keras-hub, keras-io
+             architectures) x every mode, 8 steps with Adam and SGD against plain Keras
+             on one device: each cell exact, refused, announced or SILENT MISMATCH
+             (exit 1 if any). --models / --modes pick a slice (names, or a family:
+             keras.applications, keras-hub, keras-io); writes conformance.json and .md.
 Benchmarks are not tests: quote their medians, measured side by side in one run.
 """
 
@@ -58,7 +63,8 @@ from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak",
-          "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline")
+          "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline",
+          "conformance")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
@@ -81,6 +87,8 @@ flags.DEFINE_integer("checkpoint_every", 0, "soak and chaos: --checkpoint_every 
 flags.DEFINE_integer("kills", 10, "chaos: SIGKILLs in a row; the job runs with --max_restarts=KILLS.")
 flags.DEFINE_integer("chaos_seed", 0, "chaos: seeds which worker is killed and at which step.")
 flags.DEFINE_string("chaos_collective", "auto", "chaos: the job's --collective.")
+flags.DEFINE_string("models", "all", "conformance: models or families, comma-separated.")
+flags.DEFINE_string("modes", "all", "conformance: modes, comma-separated.")
 flags.DEFINE_bool("worker", False, "Internal: this process is one worker of a launched group.")
 
 
@@ -202,6 +210,10 @@ def main(argv):
             importlib.import_module(f"tfdist.benchmarks.{FLAGS.suite}").main(
                 [*given, f"--out_dir={FLAGS.out_dir}"])
             return
+        elif FLAGS.suite == "conformance":
+            from tfdist.benchmarks import conformance   # no TensorFlow here: it runs processes
+            sys.exit(conformance.main([f"--models={FLAGS.models}", f"--modes={FLAGS.modes}",
+                                       f"--out_dir={FLAGS.out_dir}"]))
         elif FLAGS.suite == "throughput":
             from tfdist.benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)

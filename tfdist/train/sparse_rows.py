@@ -30,6 +30,8 @@ from typing import Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfdist.errors import UsageError
+
 # Ops whose value is the same in every replica, worker and micro-batch of a step.
 # Variables are read before the step's update, and mirrored replicas hold equal values.
 _SAME_EVERYWHERE = frozenset({"Const", "HostConst", "ReadVariableOp", "VarHandleOp"})
@@ -40,7 +42,11 @@ def rows_follow_the_batch(indices) -> bool:
     """False when `indices` is computed only from constants and variable values.
 
     True for anything else, including an eager tensor (no graph to read) and any
-    stateful op on the way (iterators, random ops), the cautious answer."""
+    stateful op on the way (iterators, random ops), the cautious answer. A kind read
+    inside a nested function and handed out by carry_kinds takes precedence."""
+    known = _CARRIED.get(_key(indices))
+    if known is not None:
+        return known
     op = getattr(indices, "op", None)
     if op is None or not hasattr(op, "graph"):
         return True
@@ -54,6 +60,56 @@ def rows_follow_the_batch(indices) -> bool:
             return True   # a placeholder (the batch), an iterator, a random op, ...
         pending.extend(t.op for t in op.inputs)
     return False
+
+
+# ------------------------------------------------------------------ nested functions
+# Kinds read inside a nested (XLA-compiled) function, keyed by the graph tensor of the
+# indices it returned: the caller's graph sees only the function call.
+_CARRIED = {}
+
+
+def _key(tensor):
+    try:
+        return tensor.ref()
+    except (AttributeError, TypeError):
+        return None
+
+
+def recording_kinds(fn):
+    """fn(*args) -> (loss, grads, y_pred), which also records, while it is traced, the
+    kind of each sparse gradient's rows in `recorded.kinds` (position -> bool)."""
+    def recorded(*args):
+        loss, grads, y_pred = fn(*args)
+        kinds = {}
+        for position, grad in enumerate(grads):
+            if isinstance(grad, tf.IndexedSlices):
+                parts = segments(grad)
+                if len(parts) > 1:
+                    raise UsageError(
+                        f"--jit_compile: the sparse gradient of trainable variable "
+                        f"#{position} mixes rows chosen by the batch with rows it does not "
+                        f"choose (one table looked up both ways); an XLA-compiled step "
+                        f"cannot hand both kinds to the all-reduce. Drop --jit_compile.")
+                kinds[position] = parts[0][0]
+        recorded.kinds = kinds
+        return loss, grads, y_pred
+    recorded.kinds = {}
+    return recorded
+
+
+def carry_kinds(compiled):
+    """Calls `compiled` (a tf.function of recording_kinds) and registers the kinds it
+    recorded for the sparse gradients it returned."""
+    def call(*args):
+        loss, grads, y_pred = compiled(*args)
+        kinds = compiled.python_function.kinds
+        if len(_CARRIED) > 4096:   # one entry per sparse gradient per trace; traces are few
+            _CARRIED.clear()
+        for position, grad in enumerate(grads):
+            if isinstance(grad, tf.IndexedSlices) and position in kinds:
+                _CARRIED[_key(grad.indices)] = kinds[position]
+        return loss, grads, y_pred
+    return call
 
 
 Segment = Tuple[bool, tf.IndexedSlices]   # (rows follow the batch, the rows)

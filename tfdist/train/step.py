@@ -71,6 +71,9 @@ def make_loss_and_grads(model, optimizer, jit_compile: bool):
     Only the XLA case is a nested tf.function: a synchronized BatchNorm all-reduces
     its batch statistics (a merge_call), which TF refuses inside a nested
     tf.function, so without XLA the caller's tf.function traces this directly.
+    A nested function hides how its sparse gradients' rows were chosen (the caller's
+    graph sees only the call), so the compiled function reads that inside and hands
+    it on (sparse_rows.carry_kinds).
     """
 
     def loss_and_grads(x, y, w):
@@ -80,7 +83,10 @@ def make_loss_and_grads(model, optimizer, jit_compile: bool):
         grads = tape.gradient(scaled, model.trainable_variables)
         return loss, grads, y_pred
 
-    return tf.function(loss_and_grads, jit_compile=True) if jit_compile else loss_and_grads
+    if not jit_compile:
+        return loss_and_grads
+    return sparse_rows.carry_kinds(tf.function(sparse_rows.recording_kinds(loss_and_grads),
+                                               jit_compile=True))
 
 
 def make_replica_train_step(model, optimizer, jit_compile: bool):

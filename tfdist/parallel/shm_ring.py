@@ -105,12 +105,15 @@ class SharedMemoryAllReduce:
 
     def _map_regions(self, length: int) -> None:
         """Creates this worker's region (worker 0's also holds the result region), learns
-        the others' and maps them (first call)."""
+        the others' and maps them (first call, and when another model's buffer comes)."""
         if self._length == length:
             return
         if self._length is not None:
-            raise TcpRingError(f"shared-memory all-reduce of {length} floats, but the regions "
-                               f"hold {self._length}: every step must sum the same buffer")
+            # Another model in this process (every worker traces it at the same point of
+            # the program, so every worker comes here): its own regions.
+            log.info("collective shm: a buffer of %d floats replaces one of %d; new regions",
+                     length, self._length)
+            self.close()
         floats_of = [2 * length] + [length] * (self.ring.size - 1)
         path = self._create_region(floats_of[self.ring.rank])
         try:

@@ -189,3 +189,28 @@ def test_tensorboard_scalars_do_not_grow_the_process(tmp_path):
     from tfdist.train.loop import write_scalars
     writer = tf.summary.create_file_writer(str(tmp_path))
     assert _growth_kb(lambda i: write_scalars(writer, i, {"loss": 1.0 / (i + 1)})) < 3000
+
+
+def test_keras_private_batch_norm_api():
+    """tfdist.train.batch_stats replaces BatchNormalization._moments(inputs, mask) on
+    the user's layers with the global batch's moments, reading _reduction_axes, and walks
+    sub-layers with Layer._flatten_layers (keras-team/keras#19541: no public hook)."""
+    import keras
+    from keras.src.layers.normalization import batch_normalization as bn
+    assert list(inspect.signature(bn.BatchNormalization._moments).parameters) == [
+        "self", "inputs", "mask"]
+    assert "self._moments(" in inspect.getsource(bn.BatchNormalization.call)
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 3, 4))
+    assert layer._reduction_axes == [0, 1]
+    assert list(inspect.signature(keras.layers.Layer._flatten_layers).parameters) == [
+        "self", "include_self", "recursive"]
+
+
+def test_keras_synchronized_batch_norm_still_uses_the_cancelling_variance():
+    """Why tfdist does not use Keras' synchronized=True (tfdist/train/batch_stats.py):
+    E[x^2] - E[x]^2 loses digits where one device's tf.nn.moments does not. If Keras
+    moves to the two-pass form, batch_stats could call it instead."""
+    from keras.src.backend.tensorflow import nn as keras_tf_nn
+    source = inspect.getsource(keras_tf_nn._compute_moments_sync)
+    assert "y_squared_mean - tf.square(mean)" in source

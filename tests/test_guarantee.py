@@ -1,0 +1,58 @@
+"""What tfdist announces before training as outside its guarantee
+(tfdist/train/guarantee.py): random layers at a non-zero rate, and biases that
+BatchNormalization cancels under an adaptive optimizer. No training here."""
+
+import logging
+
+import keras
+import pytest
+
+import keras_io_models
+from tfdist.train import guarantee
+
+
+def compiled(model, optimizer):
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_random_layers_at_a_non_zero_rate_are_announced(caplog):
+    model = compiled(keras_io_models.text_transformer(dropout=0.1), "adam")
+    assert sorted(guarantee.stochastic_layers(model)) == ["dropout (Dropout)",
+                                                          "dropout_1 (Dropout)"]
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        guarantee.announce(model, "mirrored")
+        guarantee.announce(model, "mirrored")   # once per model
+    assert caplog.text.count("draw random numbers while training") == 1
+
+
+def test_random_layers_at_rate_zero_are_not_random():
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.0),
+                                   keras.layers.GaussianNoise(0.0), keras.layers.Dense(2)])
+    assert guarantee.stochastic_layers(sequential) == []
+    assert guarantee.stochastic_layers(keras_io_models.text_transformer(dropout=0.0)) == []
+
+
+@pytest.mark.parametrize("optimizer,expected", [("adam", 4), ("rmsprop", 4), ("sgd", 0)])
+def test_biases_cancelled_by_batch_norm_under_adaptive_optimizers(optimizer, expected):
+    model = compiled(keras_io_models.timeseries_convnet(), optimizer)
+    paths = guarantee.biases_cancelled_by_batch_norm(model)
+    assert len(paths) == expected
+    assert all(p.endswith(("/bias", "/moving_mean")) for p in paths)
+
+
+def test_a_bias_with_another_consumer_is_not_cancelled():
+    inputs = keras.Input((6, 1))
+    conv = keras.layers.Conv1D(4, 3, padding="same")(inputs)
+    normed = keras.layers.BatchNormalization()(conv)
+    outputs = keras.layers.Dense(2)(keras.layers.Flatten()(keras.layers.Add()([normed, conv])))
+    model = compiled(keras.Model(inputs, outputs), "adam")
+    assert guarantee.biases_cancelled_by_batch_norm(model) == []
+
+
+def test_use_bias_false_is_not_announced():
+    model = compiled(keras.Sequential([keras.Input((6, 1)),
+                                       keras.layers.Conv1D(4, 3, use_bias=False),
+                                       keras.layers.BatchNormalization(),
+                                       keras.layers.Flatten(), keras.layers.Dense(2)]), "adam")
+    assert guarantee.biases_cancelled_by_batch_norm(model) == []

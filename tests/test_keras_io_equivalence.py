@@ -219,3 +219,20 @@ def test_plain_keras_under_mirrored_strategy_has_the_defect_tfdist_fixes():
           f"epoch loss {loss_error:.1e}, " + ", ".join(f"{name} {error:.1e}"
                                                       for name, error in errors.items()))
     assert max(errors.values()) > 1e-3
+
+
+README_HEADING = "### The guarantee on the models you bring"
+
+
+def test_the_readme_example_runs_as_written(caplog):
+    import pathlib
+    import re
+    text = (pathlib.Path(REPO) / "README.md").read_text()
+    section = text.split(README_HEADING, 1)[1].split("\n#", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        namespace = {}
+        exec(compile(blocks[0], "README.md", "exec"), namespace)
+    assert "normalise by the global batch's statistics" in caplog.text
+    assert namespace["strategy"].last_result.losses

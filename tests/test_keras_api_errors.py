@@ -87,7 +87,8 @@ def test_a_subclassed_model_cannot_be_pipelined():
     with pytest.raises(UsageError) as error:
         strategy.fit(model, x, y, batch_size=32, verbose=0)
     text = one_paragraph(error)
-    assert "subclassed" in text and "functional" in text and "--pipeline_split" in text
+    assert "subclassed" in text and "functional" in text and "pipeline_split" in text
+    assert "--" not in text   # the Python argument, not the CLI flag
 
 
 def test_a_cut_that_too_many_tensors_cross_is_refused_with_how_to_fix_it():

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import user_models
@@ -103,3 +104,50 @@ def test_users_models_train_as_a_pipeline_across_two_workers_like_one_device(tmp
         report = equivalence.compare_runs(reference, run)
         assert report.equivalent, f"{case} as a pipeline across 2 workers: {report}"
     assert (tmp_path / "files" / "final.keras").exists()
+
+
+def keras_calls_worker():
+    """tests/workers/keras_calls_worker.py as a module (its build, data and FIT)."""
+    import importlib.util
+    path = os.path.join(REPO, "tests", "workers", "keras_calls_worker.py")
+    spec = importlib.util.spec_from_file_location("keras_calls_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_keras_own_calls_on_two_workers_run_tfdists_loop_and_a_usage_error_exits_2(tmp_path):
+    """Keras' model.fit / evaluate / predict on a model built in the scope of
+    tfdist.Strategy("multi_worker_mirrored") equal plain Keras on one device (History with
+    validation_split and class_weight, final weights); then a batch_size the 2 replicas
+    cannot split ends both workers with status 2 and one paragraph naming batch_size=127,
+    and the launcher does not advise --max_restarts for it."""
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", sys.executable,
+         "tests/workers/keras_calls_worker.py", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "tfdist: error: batch_size=127 is not divisible by the 2 replicas" in output, output[-3000:]
+    assert "usage error" in result.stderr and "--max_restarts" not in result.stderr, output[-3000:]
+    assert "Traceback" not in output and "PerReplica" not in output and "unreachable" not in output
+    worker = keras_calls_worker()
+    x, y = worker.data()
+    reference = worker.build()
+    expected = reference.fit(x, y, **worker.FIT)
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            record = json.load(f)
+        assert record["epoch"] == expected.epoch and len(record["losses"]) == 2 * 6
+        for key, values in expected.history.items():
+            np.testing.assert_allclose(record["history"][key], values, rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(record["evaluate"], reference.evaluate(x, y, verbose=0),
+                                   rtol=1e-5)
+        problems = equivalence.weight_mismatches(
+            equivalence.Record("one device", [], reference.get_weights()),
+            equivalence.Record(f"rank {rank}", [], equivalence.load_weights(
+                str(tmp_path / f"rank{rank}.npz"))))
+        assert not problems, problems
+        np.testing.assert_allclose(np.load(tmp_path / f"predictions{rank}.npy"),
+                                   reference.predict(x[:16], verbose=0), rtol=1e-5, atol=1e-7)

@@ -406,8 +406,12 @@ def test_initialize_with_only_a_coordinator_address_is_refused():
 
 
 def test_unsupported_fit_arguments_are_refused_naming_them():
-    message = _untrained_fit(keras.distribution.DataParallel(), validation_split=0.25)
-    assert "validation_split" in message, message
+    """validation_split, class_weight and initial_epoch are Keras' (tests/test_keras_calls.py);
+    a validation window that moves across epochs is refused."""
+    x, y = data()
+    message = _untrained_fit(keras.distribution.DataParallel(), validation_data=(x, y),
+                             validation_steps=1)
+    assert "validation_steps=1" in message, message
 
 
 def test_enable_under_another_backend_is_refused():

@@ -42,7 +42,9 @@ rule). Data: every process gives the whole data (auto_shard_dataset=True, Keras'
 default) and tfdist feeds each its share of every global batch; a Dataset is never
 shuffled (as Keras), arrays with tfdist's seeded order. Mixed precision: a global
 mixed_bfloat16 policy trains (float32 variables, bfloat16 compute).
-Without a distribution every call is Keras' own.
+Without a distribution every call is Keras' own, unless the model is a
+tfdist.Strategy's (compiled in its scope): the same wrappers route it to that
+Strategy (tfdist/api.py).
 """
 
 import contextlib
@@ -63,10 +65,11 @@ BACKEND_FUNCTIONS = ("get_device_count", "distribute_tensor", "distribute_value"
                      "distribute_data_input", "initialize", "num_processes", "process_id",
                      "list_devices", "_to_backend_mesh")
 ROUTED_METHODS = ("fit", "evaluate", "predict")
+HOOKED_METHODS = ("compile", "load_weights")   # tell tfdist.api what happened to a model
 
 _state = threading.local()      # the route of the tfdist call running in this thread
 _strategies: Dict[int, Tuple[object, object, "Route"]] = {}   # id(distribution) -> cached
-_keras_methods: Dict[str, object] = {}                        # Keras' own fit/evaluate/predict
+_keras_methods: Dict[str, object] = {}                        # Keras' own methods
 
 
 # ------------------------------------------------------------------------------ enable
@@ -82,7 +85,7 @@ def enable(simulate_devices: Optional[int] = None):
     require_tensorflow_backend(keras.backend.backend())
     _simulate(simulate_devices)
     _install_backend_functions()
-    _route_model_methods()
+    install_routes()
     return BACKEND_FUNCTIONS
 
 
@@ -124,27 +127,71 @@ def _install_backend_functions() -> None:
         setattr(module, name, globals()[name])
 
 
-def _route_model_methods() -> None:
+def install_routes() -> None:
+    """keras.Model's fit/evaluate/predict go through tfdist for a model of a
+    tfdist.Strategy (tfdist.api.owner_of) or under a set keras.distribution, and its
+    compile/load_weights tell tfdist.api (idempotent). Public Keras methods, wrapped on
+    the class: a model tfdist has not seen yet is covered, and no model object changes."""
     import keras
-    for name in ROUTED_METHODS:
+    for name in ROUTED_METHODS + HOOKED_METHODS:
         if name not in _keras_methods:
             _keras_methods[name] = getattr(keras.Model, name)
-            setattr(keras.Model, name, _routed(name, _keras_methods[name]))
+            wrap = _routed if name in ROUTED_METHODS else _hooked
+            setattr(_defining_class(keras.Model, name), name, wrap(name, _keras_methods[name]))
+
+
+def _defining_class(cls, name: str):
+    """The class of cls's MRO that defines `name`. Why not always keras.Model: Keras'
+    compile_from_config (keras.Model loading) skips compiling a loaded model whose
+    class's compile is not Trainer.compile ("the model's compile() method is custom"),
+    so compile is wrapped where Trainer defines it. No upstream issue (Keras' intended
+    check for user overrides); canary: tests/test_keras_calls.py::
+    test_canary_a_loaded_model_is_compiled_with_the_routes_installed."""
+    if name != "compile":
+        return cls
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def keras_own(name: str):
+    """Keras' own keras.Model.<name>, whether or not the routes are installed."""
+    import keras
+    return _keras_methods.get(name) or getattr(keras.Model, name)
 
 
 def _routed(name, keras_method):
-    """keras.Model.<name> that goes through tfdist under a set distribution."""
+    """keras.Model.<name> that goes through tfdist for a tfdist model or distribution."""
     @functools.wraps(keras_method)
     def method(self, *args, **kwargs):
         import keras
+        from tfdist import api
+        if api.inside_tfdist_call():
+            return keras_method(self, *args, **kwargs)   # tfdist inside, or a callback's call
+        owner = api.owner_of(self)
         distribution = keras.distribution.distribution()
-        if distribution is None or _active_route() is not None:
-            return keras_method(self, *args, **kwargs)   # Keras' own (or tfdist inside)
+        if owner is None and distribution is None:
+            return keras_method(self, *args, **kwargs)   # Keras' own
         bound = inspect.signature(keras_method).bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         arguments.pop("self")
+        if owner is not None:
+            return api.keras_call(owner, name, self, arguments)
         return ROUTES[name](distribution, self, arguments)
+    method.tfdist_routed = True
+    return method
+
+
+def _hooked(name, keras_method):
+    """keras.Model.<name> (Keras' own), then tfdist.api told what it did to the model."""
+    @functools.wraps(keras_method)
+    def method(self, *args, **kwargs):
+        from tfdist import api
+        result = keras_method(self, *args, **kwargs)
+        if name == "compile":
+            api.compiled(self)
+        elif not api.inside_tfdist_call():
+            api.weights_loaded(self)
+        return result
     method.tfdist_routed = True
     return method
 
@@ -333,6 +380,7 @@ def _route_for(distribution) -> Route:
         options["simulate_devices"] = int(distribution.device_mesh.devices.size) // \
             num_processes()
     route.strategy = tfdist.Strategy("dtensor", **options)
+    route.strategy._routes_keras_calls = False   # its models follow the distribution's route
     _strategies[id(distribution)] = (distribution, route.strategy, route)
     return route
 
@@ -415,59 +463,36 @@ def _check_axes(key, layout, mesh) -> None:
 
 # ------------------------------------------------------------------------------ the calls
 
-def _refuse(arguments, method, unsupported):
-    for name, default in unsupported.items():
-        if arguments.get(name) != default:
-            raise ValueError(
-                f"model.{method}({name}={arguments.get(name)!r}) is not supported under a "
-                f"keras.distribution on TensorFlow by tfdist; leave {name} at "
-                f"{default!r} (or clear the distribution: "
-                f"keras.distribution.set_distribution(None)).")
-
-
 def _is_dataset(x) -> bool:
     import tensorflow as tf
     return isinstance(x, tf.data.Dataset)
 
 
 def _fit(distribution, model, a):
-    _refuse(a, "fit", dict(validation_split=0.0, class_weight=None, initial_epoch=0,
-                           validation_steps=None, validation_batch_size=None))
     if distribution.num_processes > 1 and not distribution.auto_shard_dataset:
         raise ValueError(
             "auto_shard_dataset=False (each process feeds its own shard) is not supported "
             "by tfdist yet: give every process the whole data with auto_shard_dataset=True "
             "and tfdist feeds each process its share of every global batch.")
+    return _call(distribution, "fit", model, a)
+
+
+def _call(distribution, name, model, arguments):
+    """strategy.<name>(model, ...) of the distribution's Strategy, with Keras' arguments
+    (tfdist.api.keras_call: a Dataset is not shuffled, as Keras never does), while Keras'
+    Layer.__call__ may ask this route for activation layouts."""
+    from tfdist import api
     route = _route_for(distribution)
-    # Keras never shuffles a Dataset (its order is the user's); arrays: tfdist's
-    # seeded shuffle, the same in every mode.
-    shuffle = False if _is_dataset(a["x"]) else a["shuffle"]
     with _running(route):
-        history = route.strategy.fit(
-            model, a["x"], a["y"], batch_size=a["batch_size"], epochs=a["epochs"],
-            verbose=a["verbose"], callbacks=a["callbacks"],
-            validation_data=a["validation_data"], shuffle=shuffle,
-            sample_weight=a["sample_weight"], steps_per_epoch=a["steps_per_epoch"],
-            validation_freq=a["validation_freq"])
-    model.history = history
-    return history
+        return api.keras_call(route.strategy, name, model, arguments)
 
 
 def _evaluate(distribution, model, a):
-    _refuse(a, "evaluate", dict(steps=None, callbacks=None))
-    route = _route_for(distribution)
-    with _running(route):
-        return route.strategy.evaluate(model, a["x"], a["y"], batch_size=a["batch_size"],
-                                       sample_weight=a["sample_weight"], verbose=a["verbose"],
-                                       return_dict=a["return_dict"])
+    return _call(distribution, "evaluate", model, a)
 
 
 def _predict(distribution, model, a):
-    _refuse(a, "predict", dict(steps=None, callbacks=None))
-    route = _route_for(distribution)
-    with _running(route):
-        return route.strategy.predict(model, a["x"], batch_size=a["batch_size"],
-                                      verbose=a["verbose"])
+    return _call(distribution, "predict", model, a)
 
 
 ROUTES = {"fit": _fit, "evaluate": _evaluate, "predict": _predict}

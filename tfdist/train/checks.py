@@ -9,13 +9,14 @@ from tfdist.errors import UsageError
 from tfdist.train import step as step_math
 
 
-def check_model_on_example(model, sample_batch) -> None:
+def check_model_on_example(model, sample_batch, predict=None) -> None:
     """The model runs on the features, the compiled loss fits its output and the
-    labels, and each loss function returns one value per example."""
+    labels, and each loss function returns one value per example. `predict(x)` runs
+    the model where it cannot be called eagerly on plain tensors (a sharded one)."""
     x, y, w = step_math.split_batch(sample_batch)
     x, y, w = step_math.first_example((x, y, w))
     try:
-        y_pred = model(x, training=False)
+        y_pred = predict(x) if predict else model(x, training=False)
     except (ValueError, TypeError) as error:
         raise UsageError(f"Model '{model.name}' cannot take the data's features "
                          f"({_shapes(x)}): {_first_line(error)}") from None

@@ -15,6 +15,7 @@ import time
 
 import keras
 
+from tfdist import keras_distribution
 from tfdist.data import pipeline
 from tfdist.train import checkpoint, keras_fixes
 from tfdist.train.loop import LoopResult, TrainingLoop
@@ -75,8 +76,11 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
     dataset_fn = pipeline.train_dataset_fn(
         source, config.global_batch_size, config.seed, config.data, start_step)
     recorder, guard = StepLosses(), GuardBatches(parallel)
+    # Keras' own fit (tfdist.api routes model.fit of a tfdist model to its loop; this
+    # trainer is the comparison with Keras itself).
+    keras_fit = keras_distribution.keras_own("fit")
     try:
-        model.fit(parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
+        keras_fit(model, parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
                   callbacks=callbacks + [recorder, guard], verbose=0, shuffle=False)
     finally:
         guard.end()   # a batch that raised never reached on_train_batch_end: disarm anyway

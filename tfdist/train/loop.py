@@ -67,6 +67,7 @@ class EvalData:
     dataset_fn: Callable
     steps: int
     size: int                           # real examples (the rest of the last batch is padding)
+    global_batch_size: int = 0          # of its batches; 0: the training's
 
     _batches: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -105,8 +106,9 @@ class TrainPlan:
     steps_per_epoch: int
     epochs: int
     total_steps: int                    # epochs * steps_per_epoch, or fewer (--train_steps)
+    initial_step: int = 0               # fit's initial_epoch * steps_per_epoch
     validation: Optional[EvalData] = None
-    validation_freq: int = 1            # validate after every N-th epoch (and the last)
+    validation_freq: object = 1         # Keras': every N-th epoch, or a list of epochs (1-based)
     callbacks: tuple = ()
     verbose: int = 0                    # Keras' progress bar (1) or epoch lines (2)
     progress: bool = False              # tfdist's own step log lines (the registry runs)
@@ -178,18 +180,21 @@ class TrainingLoop:
             data.forget()   # part of a pass was read: the next evaluation starts afresh
             raise
         # Each step's loss is its padded global batch's mean; padding weighs 0.
-        logs = {"loss": total * self.config.global_batch_size / max(data.size, 1)}
+        batch_size = data.global_batch_size or self.config.global_batch_size
+        logs = {"loss": total * batch_size / max(data.size, 1)}
         logs.update({k: v for k, v in self.metrics.logs().items() if k != "loss"})
         return logs
 
     # ------------------------------------------------------------------ training
 
     def run(self, plan: TrainPlan) -> LoopResult:
-        """Trains to plan.total_steps, resuming from --model_dir's newest good checkpoint."""
+        """Trains to plan.total_steps from plan.initial_step, or from --model_dir's newest
+        good checkpoint when it is further on."""
         checkpointer = self._make_checkpointer()
-        start_step = checkpointer.restore() if checkpointer else 0
-        if start_step:
+        restored = checkpointer.restore() if checkpointer else 0
+        if restored:
             self.parallel.restored()
+        start_step = max(restored, plan.initial_step)
         watcher = preemption.PreemptionWatcher() if checkpointer else contextlib.nullcontext()
         with watcher:
             return self._train(plan, start_step, checkpointer, watcher)
@@ -254,8 +259,9 @@ class TrainingLoop:
                 if self.user_model.stop_training:
                     break
             epoch_logs = self.metrics.logs()
-            if plan.validation is not None and (epoch_end == plan.total_steps or (
-                    (epoch + 1) % plan.validation_freq == 0 and not config.eval_every)):
+            if plan.validation is not None and (
+                    validates_after(epoch, plan.validation_freq) if not config.eval_every
+                    else epoch_end == plan.total_steps):
                 eval_logs = self._eval_and_log(step, plan.validation, progress)
                 epoch_logs.update({f"val_{k}": v for k, v in eval_logs.items()})
             self.parallel.sync_to_user_model(self.user_model, self.model)
@@ -305,6 +311,14 @@ class TrainingLoop:
         progress.message(f"eval at step {step}: {shown}")
         self.eval_seconds += time.perf_counter() - started   # not training time
         return logs
+
+
+def validates_after(epoch: int, validation_freq) -> bool:
+    """Keras' rule (Trainer._should_eval): after epoch (0-based) when its 1-based number
+    is a multiple of an int validation_freq, or one of a list's epochs."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
 
 
 def write_scalars(writer, step: int, values: dict) -> None:

@@ -29,16 +29,18 @@ def metric_objects(model):
     return [m for m in model.metrics if m.name != "loss"]
 
 
-def build_metrics(model, batch) -> None:
+def build_metrics(model, batch, predict=None) -> None:
     """Creates the compiled metrics' variables from one example of `batch`, eagerly and
     outside any strategy scope (so they are plain host variables that a step's
     tf.function updates), then resets them. Keras builds them symbolically in fit;
-    one real example through the model does the same with public calls only."""
+    one real example through the model does the same with public calls only.
+    `predict(x)` runs the model where it cannot be called eagerly (a sharded one)."""
     from tfdist.train import step as step_math
     x, y, w = step_math.split_batch(batch)
     x, y, w = step_math.first_example((x, y, w))
+    y_pred = predict(x) if predict else model(x, training=False)
     with results_not_read(model):
-        model.compute_metrics(x, y, model(x, training=False), w)
+        model.compute_metrics(x, y, y_pred, w)
     model.reset_metrics()
 
 

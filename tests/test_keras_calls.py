@@ -144,6 +144,21 @@ def test_validation_split_class_weight_initial_epoch_and_validation_freq_are_ker
     strategy.close()
 
 
+def test_steps_per_epoch_that_divides_the_data_is_keras():
+    """Keras keeps its iterator across epochs when steps_per_epoch is given: 3 epochs of
+    2 steps over 4 batches read batches 0-1, 2-3, 0-1, as tfdist's stream does."""
+    x, y = arrays(128)
+    fit = dict(batch_size=BATCH, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
+    reference = classifier()
+    expected = reference.fit(x, y, **fit)
+    strategy = tfdist.Strategy("mirrored", **MIRRORED)
+    with strategy.scope():
+        model = classifier()
+    assert_same_history(expected, strategy.fit(model, x, y, **fit))
+    assert_same_weights(reference, model)
+    strategy.close()
+
+
 def test_class_weight_on_a_batched_dataset_of_one_hot_labels_is_keras():
     """Keras' Dataset rule: the class of a one-hot row is its argmax; Keras' model.fit
     routed here keeps the Dataset's order (Keras never shuffles one)."""
@@ -213,6 +228,9 @@ REFUSED = {
         lambda m: m.fit(X, Y, class_weight={"cat": 2.0}), ["class_weight={'cat': 2.0}"]),
     "class_weight with several outputs": (
         lambda m: m.fit(X, {"a": Y}, class_weight={0: 2.0}), ["one output"]),
+    "steps_per_epoch not dividing the batches": (
+        lambda m: m.fit(X, Y, steps_per_epoch=3), ["steps_per_epoch=3", "4 full batches",
+                                                   "(1, 2, 4)"]),
     "validation_steps short of the validation data": (
         lambda m: m.fit(X, Y, validation_data=(X, Y), validation_steps=1),
         ["validation_steps=1", "4 batches", "continuing where the last"]),

@@ -181,8 +181,8 @@ class Strategy:
         data = _Data.of(a.x, a.y, a.sample_weight, a.batch_size, a.shuffle, "training data")
         config = self._config_for(data.global_batch_size, data.shuffle)
         validation = self._validation(a, config)
+        steps_per_epoch = _steps_per_epoch(a.steps_per_epoch, data, config)
         loop = self._loop(model, config, data.sample_batch(config), training=True)
-        steps_per_epoch = a.steps_per_epoch or data.steps_per_epoch(config)
         plan = TrainPlan(
             train_dataset_fn=lambda start: data.train_dataset_fn(config, start),
             steps_per_epoch=steps_per_epoch, epochs=a.epochs,
@@ -746,6 +746,24 @@ def _require_whole_validation(validation_steps, batches: int) -> None:
             f"continuing where the last validation stopped, which tfdist does not reproduce. "
             f"Drop validation_steps (every validation example is then evaluated once), or "
             f"give validation_data with just the examples to validate.")
+
+
+def _steps_per_epoch(asked: Optional[int], data: "_Data", config) -> int:
+    """fit's steps_per_epoch over arrays or a Dataset: Keras' epochs are exact here when
+    they divide the data's full batches (Keras restarts its iterator only at the end of
+    the data, so an epoch that reaches it is cut short, with "ran out of data"; tfdist's
+    stream runs on). A dataset_fn's length is the user's: steps_per_epoch is required."""
+    if data.source is None:
+        return asked or data.steps_per_epoch(config)
+    full = data.steps_per_epoch(config)
+    divisors = [d for d in range(1, full + 1) if full % d == 0]
+    require(asked is None or asked in divisors,
+            f"fit(steps_per_epoch={asked}): the training data has {full} full batches of "
+            f"{config.global_batch_size}; Keras would cut the epoch that reaches their end "
+            f"short (its iterator restarts only there), which tfdist does not reproduce. Give "
+            f"a steps_per_epoch that divides {full} ({', '.join(map(str, divisors[:12]))}"
+            f"{', ...' if len(divisors) > 12 else ''}), or leave it None (one pass).")
+    return asked or full
 
 
 def _require_count(name: str, value, minimum: int) -> None:

@@ -23,11 +23,10 @@ group that a split enters and a convolution touches is refused, naming both
 layers; so is a split variable of a convolution, and a split inside a layer with
 convolutions whose Python call tfdist cannot see (a subclassed block).
 
-Depthwise convolutions (DepthwiseConv1D/2D, SeparableConv1D/2D) are refused
-whatever the layout: DTensor has no layout rule for the gradients of their filter
-and input ('DepthwiseConv2dNativeBackpropFilter' / 'BackpropInput'; measured on
-TF 2.21), so they fail even fully replicated, and frozen too unless they are the
-first layer.
+Depthwise convolutions (DepthwiseConv1D/2D, SeparableConv1D/2D): DTensor has no
+layout rule for the gradients of their filter and input (measured on TF 2.21), so
+the train step gives them gradients it can run (depthwise.py) for channels_last
+data; channels_first ones are refused whatever the layout.
 """
 
 import re
@@ -103,11 +102,12 @@ def is_conv(layer) -> bool:
 
 
 def depthwise_layers(model) -> List[object]:
-    """Every depthwise or separable convolution: DTensor has no layout rule for the
-    gradient of their filter nor of their input, so even a frozen one fails unless
-    nothing before it trains."""
+    """Depthwise or separable convolutions whose gradients depthwise.py cannot rewrite
+    (channels_first): DTensor has no layout rule for the native ones, so they fail
+    even fully replicated, and frozen too unless nothing before them trains."""
     return [layer for layer in model_graph.sublayers(model)
-            if isinstance(layer, depthwise_classes())]
+            if isinstance(layer, depthwise_classes())
+            and getattr(layer, "data_format", "channels_last") != "channels_last"]
 
 
 def layer_path(layer) -> str:
@@ -301,9 +301,9 @@ def _message(problems: List[str]) -> str:
 def _depthwise_message(layers) -> str:
     names = ", ".join(f"{layer_path(l)!r} ({type(l).__name__})" for l in layers[:SHOWN])
     more = f" and {len(layers) - SHOWN} more" if len(layers) > SHOWN else ""
-    return (f"--strategy=dtensor cannot train depthwise convolutions: {names}{more}. "
-            f"{RULE}, and for a depthwise (or separable) convolution it has no rule at all "
-            f"for the gradients of its filter and input (TensorFlow 2.21), so it fails "
-            f"whatever the layout, even fully replicated. Train this model with a "
-            f"data-parallel mode (--strategy=mirrored or multi_worker_mirrored), which "
-            f"trains it like one device.")
+    return (f"--strategy=dtensor cannot train channels_first depthwise convolutions: "
+            f"{names}{more}. {RULE}, and for a depthwise (or separable) convolution it has "
+            f"no rule at all for the gradients of its filter and input (TensorFlow 2.21); "
+            f"tfdist gives it gradients DTensor can run only for channels_last data. Build "
+            f"those layers with data_format=\"channels_last\", or train this model with a "
+            f"data-parallel mode (--strategy=mirrored or multi_worker_mirrored).")

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.parallel.dtensor import mesh as mesh_lib
-from tfdist.parallel.dtensor import sharding, update
+from tfdist.parallel.dtensor import depthwise, sharding, update
 from tfdist.train import step as step_math
 
 
@@ -80,9 +80,12 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
     @tf.function
     def sharded_step(batch):
         x, y, w = step_math.split_batch(batch)
-        with tf.GradientTape() as tape:
-            loss, y_pred = step_math.forward_loss(model, x, y, w, training=True)
-        grads = tape.gradient(loss, variables)
+        # This body runs only while tracing: depthwise convolutions get gradients DTensor
+        # can lay out (depthwise.py); everything else is TensorFlow's own.
+        with depthwise.gradients_dtensor_can_run():
+            with tf.GradientTape() as tape:
+                loss, y_pred = step_math.forward_loss(model, x, y, w, training=True)
+            grads = tape.gradient(loss, variables)
         # Gradients are brought to their variable's layout inside (a no-op when
         # DTensor's propagation already chose it).
         update.apply(optimizer, slots, grads, variables, layouts)

@@ -1,0 +1,120 @@
+"""Depthwise and separable convolutions under DTensor: the same forward, a gradient DTensor can run.
+
+DTensor (TF 2.21) has no layout rule for the gradients of TensorFlow's depthwise
+convolution ('DepthwiseConv2dNativeBackpropFilter' and '...BackpropInput' "do not
+implement layout propagation"), so any model with a trainable DepthwiseConv1D/2D
+or SeparableConv1D/2D (MobileNet, EfficientNet, ConvNeXt, Xception) failed at its
+first step, even fully replicated. The forward op itself runs (batch-sharded).
+
+So while the DTensor train step is traced, `tf.nn.depthwise_conv2d` keeps its
+forward op but gets a custom gradient: the vector-Jacobian product of the same
+convolution written as a sum over the filter's taps of strided slices times the
+filter, which is slices, multiplies and sums, all of which DTensor lays out. The
+forward values are TensorFlow's own; the gradients equal the native ones up to
+float32 summation order (measured 1e-7 relative). `tf.nn.separable_conv2d` is
+TensorFlow's own composition (that depthwise convolution, then a 1x1 conv2d),
+rewritten so its depthwise part takes the same path.
+
+Why a swap of public TF functions: Keras' TensorFlow backend calls
+`tf.nn.depthwise_conv2d` and `tf.nn.separable_conv2d` by attribute at call time
+(keras/src/backend/tensorflow/nn.py), and tf.RegisterGradient cannot replace a
+registered gradient. The swap lasts only while the step's Python body runs (its
+trace), in this thread's call. Canary: tests/test_dtensor_auto_layout.py::
+test_keras_calls_the_swapped_depthwise_functions.
+Only channels_last (NHWC) with "SAME"/"VALID" padding is rewritten (what Keras uses
+on CPU and by default); layout_check refuses the rest before any trace.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+_lock = threading.RLock()
+_depth = [0]   # nested entries (a step traced inside another's trace) swap once
+_native_depthwise = tf.nn.depthwise_conv2d
+_native_separable = tf.nn.separable_conv2d
+
+
+@contextlib.contextmanager
+def gradients_dtensor_can_run():
+    """tf.nn.depthwise_conv2d / separable_conv2d with DTensor-runnable gradients, inside."""
+    with _lock:
+        _depth[0] += 1
+        tf.nn.depthwise_conv2d, tf.nn.separable_conv2d = depthwise_conv2d, separable_conv2d
+        try:
+            yield
+        finally:
+            _depth[0] -= 1
+            if not _depth[0]:
+                tf.nn.depthwise_conv2d = _native_depthwise
+                tf.nn.separable_conv2d = _native_separable
+
+
+def rewritable(data_format, padding) -> bool:
+    return data_format in (None, "NHWC") and padding in ("SAME", "VALID")
+
+
+def depthwise_conv2d(input, filter, strides, padding, data_format=None,  # noqa: A002 (TF's names)
+                     dilations=None, name=None):
+    if not rewritable(data_format, padding):
+        return _native_depthwise(input, filter, strides, padding, data_format=data_format,
+                                 dilations=dilations, name=name)
+    dilations = tuple(dilations or (1, 1))
+
+    @tf.custom_gradient
+    def convolve(x, kernel):
+        y = _native_depthwise(x, kernel, strides, padding, data_format=data_format,
+                              dilations=dilations, name=name)
+
+        def gradient(dy):
+            with tf.GradientTape() as tape:
+                tape.watch([x, kernel])
+                same = as_taps(x, kernel, strides, padding, dilations)
+            return tape.gradient(same, [x, kernel], output_gradients=dy)
+
+        return y, gradient
+
+    # Read Keras variables outside: custom_gradient refuses variables read inside.
+    return convolve(tf.convert_to_tensor(input), tf.convert_to_tensor(filter))
+
+
+def separable_conv2d(input, depthwise_filter, pointwise_filter, strides, padding,  # noqa: A002
+                     data_format=None, dilations=None, name=None):
+    if not rewritable(data_format, padding):
+        return _native_separable(input, depthwise_filter, pointwise_filter, strides, padding,
+                                 data_format=data_format, dilations=dilations, name=name)
+    depthwise = depthwise_conv2d(input, depthwise_filter, strides, padding,
+                                 data_format=data_format, dilations=dilations)
+    return tf.nn.conv2d(depthwise, pointwise_filter, [1, 1, 1, 1], padding="VALID",
+                        data_format=data_format)
+
+
+def as_taps(x, kernel, strides, padding, dilations):
+    """The depthwise convolution (NHWC) as a sum over filter taps of strided slices of
+    the padded input times that tap's weights; output channel c * M + m, as TF's."""
+    _, height, width, channels = x.shape
+    taps_h, taps_w, _, multiplier = kernel.shape
+    stride_h, stride_w = strides[1], strides[2]
+    out_h, pad_h = _output_and_padding(height, taps_h, stride_h, dilations[0], padding)
+    out_w, pad_w = _output_and_padding(width, taps_w, stride_w, dilations[1], padding)
+    padded = tf.pad(x, [[0, 0], list(pad_h), list(pad_w), [0, 0]])
+    total = None
+    for i in range(taps_h):
+        for j in range(taps_w):
+            top, left = i * dilations[0], j * dilations[1]
+            window = padded[:, top:top + (out_h - 1) * stride_h + 1:stride_h,
+                            left:left + (out_w - 1) * stride_w + 1:stride_w, :]
+            term = window[..., None] * kernel[i, j]       # (batch, h, w, channels, multiplier)
+            total = term if total is None else total + term
+    return tf.reshape(total, [-1, out_h, out_w, channels * multiplier])
+
+
+def _output_and_padding(size, taps, stride, dilation, padding):
+    """TensorFlow's output size and (before, after) padding for one spatial dimension."""
+    span = (taps - 1) * dilation + 1
+    if padding == "VALID":
+        return (size - span) // stride + 1, (0, 0)
+    out = -(-size // stride)
+    total = max((out - 1) * stride + span - size, 0)
+    return out, (total // 2, total - total // 2)

@@ -105,6 +105,37 @@ def test_keras_own_fit_evaluate_predict_run_tfdists_loop_under_the_scope():
     strategy.close()
 
 
+def test_fits_callbacks_get_kerass_test_hooks_during_validation():
+    """Keras' fit hands its callbacks to evaluate: on_test_begin, each test batch and
+    on_test_end, after each validated epoch."""
+    x, y = arrays(128)
+
+    def hooks_seen(fit):
+        seen = []
+
+        class Hooks(keras.callbacks.Callback):
+            def on_test_begin(self, logs=None):
+                seen.append("begin")
+
+            def on_test_batch_end(self, batch, logs=None):
+                seen.append(batch)
+
+            def on_test_end(self, logs=None):
+                seen.append(("end", round(logs["loss"], 4)))
+
+        fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+            validation_data=(x[:64], y[:64]), callbacks=[Hooks()])
+        return seen
+
+    expected = hooks_seen(classifier().fit)
+    strategy = tfdist.Strategy("mirrored", **MIRRORED)
+    with strategy.scope():
+        model = classifier()
+    assert hooks_seen(model.fit) == expected
+    assert expected[:4] == ["begin", 0, 1, ("end", expected[3][1])]
+    strategy.close()
+
+
 def test_a_model_whose_strategy_is_gone_is_refused_naming_strategy_fit():
     x, y = arrays(64)
     with tfdist.Strategy("mirrored", **MIRRORED).scope():   # no reference kept

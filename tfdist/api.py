@@ -473,8 +473,9 @@ def owner_of(model) -> Optional[Strategy]:
     of (or trained by), else, under a tf.distribute mode, the one it was built in the
     scope of. None for a model of no Strategy. Refused when that Strategy is gone."""
     reference = _OWNERS.get(model)
-    if reference is None:
-        reference = _TF_OWNERS.get(_built_under(model))
+    built_under = _built_under(model)
+    if reference is None and built_under is not None:
+        reference = _TF_OWNERS.get(built_under)
     if reference is None:
         return None
     strategy = reference()

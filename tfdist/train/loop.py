@@ -255,14 +255,14 @@ class TrainingLoop:
                     self.metrics.logs()   # another worker's callback needs this step's sums
                 if config.eval_every and step % config.eval_every == 0 \
                         and plan.validation is not None and step != plan.total_steps:
-                    self._eval_and_log(step, plan.validation, progress)
+                    self._eval_and_log(step, plan.validation, progress, callbacks)
                 if self.user_model.stop_training:
                     break
             epoch_logs = self.metrics.logs()
             if plan.validation is not None and (
                     validates_after(epoch, plan.validation_freq) if not config.eval_every
                     else epoch_end == plan.total_steps):
-                eval_logs = self._eval_and_log(step, plan.validation, progress)
+                eval_logs = self._eval_and_log(step, plan.validation, progress, callbacks)
                 epoch_logs.update({f"val_{k}": v for k, v in eval_logs.items()})
             self.parallel.sync_to_user_model(self.user_model, self.model)
             callbacks.on_epoch_end(epoch, epoch_logs)
@@ -300,11 +300,18 @@ class TrainingLoop:
         self.parallel.saving()
         checkpointer.save(step)
 
-    def _eval_and_log(self, step: int, data: EvalData, progress: Progress) -> dict:
+    def _eval_and_log(self, step: int, data: EvalData, progress: Progress,
+                      callbacks=None) -> dict:
+        """A validation: fit's callbacks get Keras' test hooks, as Keras' fit hands them to
+        its evaluate (on_test_begin, each batch, on_test_end with the logs)."""
         # Evaluation shares the metric objects: the epoch's training state comes back.
         started = time.perf_counter()
         training_state = self.metrics.snapshot()
-        logs = self.evaluate(data)
+        if callbacks is not None:
+            callbacks.on_test_begin()
+        logs = self.evaluate(data, callbacks)
+        if callbacks is not None:
+            callbacks.on_test_end(logs)
         self.metrics.restore(training_state)
         self._scalars("eval", step, **{k: v for k, v in logs.items() if _is_scalar(v)})
         shown = "  ".join(f"{k} {v:.4f}" for k, v in logs.items() if _is_scalar(v))

@@ -37,6 +37,9 @@ MODES = {
                        microbatches=2),
 }
 CASES = ("text:adam", "text:adam_clip", "timeseries:adam", "frozen:adam")
+# Launched workers train the clipped text case only (its rows are summed before the
+# clip, which covers the unclipped path's sum too) to keep 5 launches short.
+LAUNCHED_CASES = ("text:adam_clip", "timeseries:adam", "frozen:adam")
 _references = {}
 
 
@@ -143,7 +146,7 @@ def launch(collective, out_dir):
     mpi = ["--mpi"] if collective == "mpi" else []
     return subprocess.run(
         [sys.executable, "-m", "tfdist.launch", *mpi, "--workers", "2", "--", sys.executable,
-         "tests/workers/keras_io_cases.py", collective, ",".join(CASES), str(out_dir)],
+         "tests/workers/keras_io_cases.py", collective, ",".join(LAUNCHED_CASES), str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -168,7 +171,7 @@ def worker_run(out_dir, case, rank, paths):
 def test_two_workers_train_keras_io_models_like_one_device(collective, tmp_path):
     result = launch(collective, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for case in CASES:
+    for case in LAUNCHED_CASES:
         reference = one_device(case)
         for rank in (0, 1):
             run, initial_frozen = worker_run(tmp_path, case, rank, reference.paths)

@@ -262,7 +262,7 @@ def test_variable_matching_two_keys_is_named(tmp_path):
 def test_layout_names_are_checked(tmp_path):
     run_expecting_usage_error(make_config("dtensor", mesh="batch=2,model=2",
                                           layout=str(tmp_path / "missing.json")),
-                              r"neither a preset \(data, megatron\)")
+                              r"neither a preset \(data, megatron, auto\)")
     cnn = dataclasses.replace(make_config("dtensor", mesh="batch=2,model=2", layout="megatron"),
                               model=ModelConfig(name="cnn", filters=(8, 16)))
     run_expecting_usage_error(cnn, r"megatron has rules for models mlp, transformer")

@@ -309,7 +309,7 @@ def test_layout_map_for_accepts_map_objects_and_keeps_its_strings():
     assert isinstance(presets.layout_map_for("megatron", "transformer"), LayoutMap)
     with pytest.raises(UsageError, match=r"got int: 7"):
         presets.layout_map_for(7, "mlp")
-    with pytest.raises(UsageError, match=r"neither a preset \(data, megatron\)"):
+    with pytest.raises(UsageError, match=r"neither a preset \(data, megatron, auto\)"):
         presets.layout_map_for("no_such_file.json", "mlp")
     described = presets.describe(original)
     assert json.loads(json.dumps(described))["token_embedding/embeddings"] == ["model", "batch"]

@@ -83,7 +83,8 @@ def layout_map_for(layout, model_name: str, model=None, mesh_axes=None) -> Layou
     if layout == "megatron":
         require(model_name in MEGATRON,
                 f"--layout=megatron has rules for models {', '.join(sorted(MEGATRON))}, not "
-                f"{model_name!r}. Use --layout=data or a layout file (JSON: regex -> axes).")
+                f"{model_name!r}. Use --layout=auto (tfdist picks an exact layout for any model), "
+                f"--layout=data or a layout file (JSON: regex -> axes).")
         return LayoutMap(MEGATRON[model_name])
     return load_file(layout)
 

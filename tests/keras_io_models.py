@@ -18,39 +18,13 @@ Every case is (build_and_compile, x, y, fit_kwargs) with 8 global batches of 16.
 
 import keras
 import numpy as np
-from keras import layers, ops
+from keras import layers
+
+# keras-io's two custom layers, as the conformance corpus reproduces them (no **kwargs).
+from tfdist.benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
 
 VOCAB, MAXLEN, EMBED = 50, 8, 16
 GLOBAL_BATCH, STEPS = 16, 8
-
-
-class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        positions = ops.arange(start=0, stop=ops.shape(x)[-1], step=1)
-        return self.token_emb(x) + self.pos_emb(positions)
-
-
-class TransformerBlock(layers.Layer):
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.0):
-        super().__init__()
-        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
-                                     layers.Dense(embed_dim)])
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
-
-    def call(self, inputs):
-        attn_output = self.dropout1(self.att(inputs, inputs))
-        out1 = self.layernorm1(inputs + attn_output)
-        ffn_output = self.dropout2(self.ffn(out1))
-        return self.layernorm2(out1 + ffn_output)
 
 
 def text_transformer(dropout: float = 0.0):

@@ -18,8 +18,8 @@ def compiled(model, optimizer):
 
 def test_random_layers_at_a_non_zero_rate_are_announced(caplog):
     model = compiled(keras_io_models.text_transformer(dropout=0.1), "adam")
-    assert sorted(guarantee.stochastic_layers(model)) == ["dropout (Dropout)",
-                                                          "dropout_1 (Dropout)"]
+    found = guarantee.stochastic_layers(model)
+    assert len(found) == 2 and all(name.endswith(" (Dropout)") for name in found)
     with caplog.at_level(logging.WARNING, logger="tfdist"):
         guarantee.announce(model, "mirrored")
         guarantee.announce(model, "mirrored")   # once per model

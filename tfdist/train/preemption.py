@@ -31,5 +31,9 @@ class PreemptionWatcher:
 
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # After a stop was asked for, the process is on its way out (saving, closing its
+            # cluster, exit 4), and a second TERM must not cut that short: Slurm sends one to
+            # the tasks and another to the whole job (a batch script forwarding it, the end of
+            # a preemption's GraceTime), and each is the same request.
+            signal.signal(signum, signal.SIG_IGN if self.requested else handler)
         return False

@@ -423,6 +423,24 @@ def test_auto_layout_finds_the_pair_a_subclassed_block_calls_in_python():
     assert not any("call" in vars(layer) for layer in model._flatten_layers())
 
 
+def test_auto_layout_reads_keras_hub_transformer_blocks():
+    """keras-hub's TransformerEncoder (BERT) calls its feed-forward Denses directly, with
+    keras-hub's own gelu: the pair is split; attention by heads; the token table by
+    vocabulary, the position table kept whole."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=64, num_layers=1, num_heads=2,
+                                             hidden_dim=16, intermediate_dim=32,
+                                             max_sequence_length=SEQ)
+    chosen = _choices(backbone)
+    block = "transformer_layer_0"
+    assert chosen[f"{block}/feedforward_intermediate_dense/kernel"] == ("unsharded", "model")
+    assert chosen[f"{block}/feedforward_output_dense/kernel"] == ("model", "unsharded")
+    assert chosen[f"{block}/self_attention_layer/query/kernel"] == ("unsharded", "model",
+                                                                    "unsharded")
+    assert chosen["token_embedding/embeddings"] == ("model", "unsharded")
+    assert not any("position" in path for path in chosen), chosen
+
+
 def test_keras_graph_api_canary():
     """model_graph reads Keras' private graph attributes; this fails if they change."""
     import keras

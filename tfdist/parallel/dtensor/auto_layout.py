@@ -48,6 +48,9 @@ ELEMENTWISE = ("linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "
                "swish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish",
                "softplus", "softsign", "exponential", "mish", "log_sigmoid", "hard_tanh",
                "sparse_plus", "squareplus", "tanh_shrink", "soft_shrink", "hard_shrink")
+# Elementwise activations defined outside keras.activations, by (module, name):
+# keras-hub's BERT and GPT-2 blocks use this one (keras.activations.gelu, approximate).
+ELEMENTWISE_FUNCTIONS = {("keras_hub.src.utils.keras_utils", "gelu_approximate")}
 # Library classes whose call tfdist knows; a user's subclass may override it.
 KNOWN_MODULES = ("keras.", "keras_hub.")
 KERAS_HUB_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
@@ -267,8 +270,9 @@ def _elementwise(layer) -> bool:
     activation = getattr(layer, "activation", None)
     if activation is None:
         return True
-    return any(activation is getattr(keras.activations, name, object())
-               for name in ELEMENTWISE)
+    where = (getattr(activation, "__module__", None), getattr(activation, "__name__", None))
+    return where in ELEMENTWISE_FUNCTIONS or any(
+        activation is getattr(keras.activations, name, object()) for name in ELEMENTWISE)
 
 
 def _passes_split(layer) -> bool:

@@ -233,7 +233,8 @@ def test_auto_layout_trains_depthwise_and_separable_convolutions_like_one_device
 
 
 @pytest.mark.parametrize("strides,padding,dilation,multiplier", [
-    (1, "SAME", 1, 1), (2, "SAME", 1, 2), (1, "VALID", 2, 1), (2, "VALID", 1, 3), (3, "SAME", 1, 1)])
+    (1, "SAME", 1, 1), (2, "SAME", 1, 2), (1, "VALID", 2, 1), (2, "VALID", 1, 3),
+    (3, "SAME", 1, 1)])
 def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, multiplier):
     import tensorflow as tf
     from tfdist.parallel.dtensor import depthwise
@@ -256,20 +257,21 @@ def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, m
 def test_keras_calls_the_swapped_depthwise_functions():
     """Canary for depthwise.py: Keras' TF backend calls tf.nn.depthwise_conv2d and
     tf.nn.separable_conv2d by attribute, so the swap reaches its layers."""
-    import keras
     import tensorflow as tf
     from tfdist.parallel.dtensor import depthwise
     model = mobile_convnet()
     calls = []
+
+    def counted(name, function):
+        return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
+
     with depthwise.gradients_dtensor_can_run():
         for name in ("depthwise_conv2d", "separable_conv2d"):
-            swapped = getattr(tf.nn, name)
-            setattr(tf.nn, name, lambda *a, _f=swapped, _n=name, **k: calls.append(_n) or _f(*a, **k))
+            setattr(tf.nn, name, counted(name, getattr(tf.nn, name)))
         model(np.zeros((1, 8, 8, 3), "float32"))
     assert sorted(set(calls)) == ["depthwise_conv2d", "separable_conv2d"], calls
     assert tf.nn.depthwise_conv2d is depthwise._native_depthwise       # restored after
     assert tf.nn.separable_conv2d is depthwise._native_separable
-    del keras
 
 
 # ------------------------------------------------------------------------- refusals

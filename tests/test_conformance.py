@@ -66,8 +66,9 @@ REF = (record(), [[[1.0, 2.0]]])
 OUTCOME = dict(status=0, log="/nonexistent")
 
 
-def judged(candidate, layers=("dense",)):
-    return conformance.judge(REF, candidate, list(layers), OUTCOME)
+def judged(candidate):
+    return conformance.judge(REF, candidate, dict(layers=["dense"], paths=["dense/kernel"]),
+                             OUTCOME)
 
 
 def usage_error(message="no"):
@@ -98,6 +99,11 @@ def test_each_run_lands_in_exactly_one_verdict(candidate, verdict):
     if candidate and len(candidate[1]) == 2:
         candidate[0]["replicas"] = ["replica 0", "replica 1"]
     assert judged(candidate)["verdict"] == verdict
+
+
+def test_a_silent_mismatch_names_the_variable_that_differs():
+    message = judged((record(), [[[1.0, 2.1]]]))["message"]
+    assert "weight 0 dense/kernel (2,): relative error" in message, message
 
 
 def test_a_cell_is_its_worst_optimizer():

@@ -43,7 +43,8 @@ flags.DEFINE_integer("collective_timeout", 300,
                      "Seconds to wait for peers to join, for a collective, or to notice a dead peer.")
 # Model parallelism.
 flags.DEFINE_string("mesh", None, 'dtensor mesh, e.g. "batch=2,model=2" (default: all devices on batch).')
-flags.DEFINE_string("layout", "data", "dtensor layout: data, megatron, or a JSON/.py layout file.")
+flags.DEFINE_string("layout", "data", "dtensor layout: data, megatron, auto (tfdist shards what stays "
+                    "exact in any model and prints the table), or a JSON/.py layout file.")
 flags.DEFINE_bool("layout_strict", False, "dtensor: a variable no layout rule matches is an error.")
 flags.DEFINE_integer("pipeline_stages", 2, "pipeline: stages, one device each.")
 flags.DEFINE_integer("microbatches", 1, "pipeline: micro-batches per step.")

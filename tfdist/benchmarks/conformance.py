@@ -675,20 +675,29 @@ def noise_floor(work_dir, model, optimizer, reference) -> Optional[float]:
 
 # ---------------------------------------------------------------------- the whole corpus
 
-def run_corpus(models, modes, random_modes, optimizers, work_dir, timeout,
-               train: bool = True) -> dict:
-    """Runs every model's processes in order (unless `train` is False: the records already
-    in work_dir are judged again), then judges every cell."""
+def run_corpus(models, modes, random_modes, optimizers, work_dir, timeout, train=True,
+               jobs=1) -> dict:
+    """Runs every model's processes (`jobs` models at a time; unless `train` is False: then
+    the records already in work_dir are judged again), then judges every cell."""
+    from concurrent.futures import ThreadPoolExecutor
     started = time.time()
-    cells, random_checks, groups = [], [], []
-    for index, model in enumerate(models, start=1):
+
+    def outcomes_of(indexed):
+        index, model = indexed
+        if not train:
+            return earlier_outcomes(work_dir, model)
         print(f"[{index}/{len(models)}] {model}", flush=True)
-        outcomes = (run_model(model, modes, random_modes, optimizers, work_dir, timeout)
-                    if train else earlier_outcomes(work_dir, model))
-        groups += [dict(model=model, group=group, **o) for group, o in outcomes.items()]
+        return run_model(model, modes, random_modes, optimizers, work_dir, timeout)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:   # threads only wait on processes
+        outcomes = dict(zip(models, pool.map(outcomes_of, enumerate(models, start=1))))
+    cells, random_checks, groups = [], [], []
+    for model in models:
+        groups += [dict(model=model, group=g, **o) for g, o in outcomes[model].items()]
         facts = model_facts(work_dir, model)
-        cells += [judge_cell(work_dir, model, mode, optimizers, facts, outcomes) for mode in modes]
-        random_checks += [random_check_result(work_dir, model, mode, outcomes)
+        cells += [judge_cell(work_dir, model, mode, optimizers, facts, outcomes[model])
+                  for mode in modes]
+        random_checks += [random_check_result(work_dir, model, mode, outcomes[model])
                           for mode in random_modes]
     return dict(cells=cells, random_checks=random_checks, groups=groups,
                 elapsed_s=round(time.time() - started, 1))
@@ -703,12 +712,12 @@ def run_model(model, modes, random_modes, optimizers, work_dir, timeout) -> dict
         group_checks = [m for m in random_modes if MODES[m].group == group]
         if group != "local" and not group_modes and not group_checks:
             continue    # the local group always runs: it trains the reference
-        print(f"  {group}: {', '.join(['reference'] * (group == 'local') + group_modes)}",
-              flush=True)
+        print(f"  {model} {group}: "
+              f"{', '.join(['reference'] * (group == 'local') + group_modes)}", flush=True)
         command = group_command(group, model, group_modes, group_checks, optimizers, work_dir)
         outcomes[group] = run_process(command, os.path.join(work_dir, model, f"{group}.log"),
                                       timeout)
-        print(f"  {group} ended ({outcomes[group]['status']}) after "
+        print(f"  {model} {group} ended ({outcomes[group]['status']}) after "
               f"{outcomes[group]['seconds']} s", flush=True)
     return outcomes
 
@@ -925,6 +934,8 @@ def parse_args(argv=None):
     parser.add_argument("--work_dir", default=None, help="per-cell records (default: a "
                         "temporary directory, kept)")
     parser.add_argument("--list", action="store_true", help="print the corpus and modes")
+    parser.add_argument("--jobs", type=int, default=1, help="models run at a time (their "
+                        "processes share the cores; verdicts do not depend on timing)")
     parser.add_argument("--report_only", action="store_true", help="judge the records "
                         "already in --work_dir again and rewrite the report; train nothing")
     parser.add_argument("--run_group", choices=GROUPS, help=argparse.SUPPRESS)
@@ -1004,7 +1015,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     result = run_corpus(models, modes, random_modes, optimizers, work_dir, args.group_timeout,
-                        train=not args.report_only)
+                        train=not args.report_only, jobs=max(1, args.jobs))
     result.update(command="python -m tfdist.benchmarks.conformance " + " ".join(
         sys.argv[1:] if argv is None else argv), commit=git_commit(),
         date=time.strftime("%Y-%m-%d %H:%M"), models=models, modes=modes,

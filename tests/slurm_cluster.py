@@ -21,6 +21,7 @@ Debian's slurm-wlm + munge; `unavailable_reason()` says why not, for a skip.
 import contextlib
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -102,7 +103,65 @@ def node_hardware() -> Dict[str, str]:
     return {key: fields[key] for key in keys if key in fields}
 
 
-def slurm_conf(root: str, munge_socket: str, ctld_port: int, slurmd_port: int) -> str:
+# The session's partition. FORCE:2: two jobs may share a CPU, so a test can run two 2-task
+# jobs at once on a 2-core machine.
+SHARED_PARTITION = (f"PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP "
+                    f"OverSubscribe=FORCE:2")
+
+
+def preemptible_conf(grace_time: int, kill_wait: int, requeue_delay: int) -> dict:
+    """SlurmCluster.started(**preemptible_conf(...)): a cluster with a preemptible queue.
+
+    Partitions on the one node: a job in `high` that needs the node preempts the jobs of
+    `low` and `nograce` (PriorityTier). Slurm signals a `low` job's tasks (SIGTERM), gives it
+    `grace_time` seconds (GraceTime), then ends it as it ends any job (SIGCONT and SIGTERM
+    to the tasks and the batch shell, SIGKILL `kill_wait` seconds later: KillWait) and
+    requeues it (PreemptMode=REQUEUE); a `nograce` job is ended and requeued at once. No
+    oversubscription: the node is either a low job's or the high job's. Process tracking
+    by cgroups where this machine lets slurmd make them (what clusters run), else by the
+    process tree. A random first job id keeps two such clusters' cgroups (named after job
+    ids) apart; scheduling every 2 s starts a requeued job soon after its `requeue_delay`
+    (a passing begin time is no event: Slurm's default is a pass every 60 s)."""
+    partitions = f"""PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SchedulerParameters=sched_interval=2,bf_interval=2
+PartitionName=low Nodes={NODE} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_time}
+PartitionName=nograce Nodes={NODE} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=0
+PartitionName=high Nodes={NODE} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"""
+    return dict(partitions=partitions, kill_wait=kill_wait, requeue_delay=requeue_delay,
+                proctrack="cgroup" if cgroup_v1_usable() else "linuxproc",
+                first_job_id=random.randrange(10 ** 6, 6 * 10 ** 7))
+
+
+def cgroup_v1_usable() -> bool:
+    """Whether slurmd's proctrack/cgroup (cgroup v1, freezer) can work here: the freezer
+    hierarchy is mounted and root may make a cgroup in it."""
+    probe = os.path.join(CGROUP_FREEZER, f"tfdist-probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+        return True
+    except OSError:
+        return False
+
+
+CGROUP_FREEZER = "/sys/fs/cgroup/freezer"
+# Process tracking only (no limits); the daemons read cgroup.conf beside slurm.conf.
+CGROUP_CONF = """CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+"""
+
+
+def slurm_conf(root: str, munge_socket: str, ctld_port: int, slurmd_port: int,
+               partitions: str = SHARED_PARTITION, kill_wait: int = 10, proctrack: str = "linuxproc",
+               requeue_delay: Optional[int] = None, first_job_id: int = 1) -> str:
+    """slurm.conf of a throwaway single-node cluster. `proctrack`: "linuxproc" (the session's)
+    or "cgroup" (Slurm's default where cgroups exist, so what clusters run). `requeue_delay`:
+    seconds a requeued job waits before it may start again (Slurm takes it from AuthInfo's
+    cred_expire, also the lifetime of a step's credential: 120 by default)."""
     hardware = " ".join(f"{key}={value}" for key, value in node_hardware().items())
     # slurmctld only runs where SlurmctldHost names this host; the address forces loopback.
     controller = socket.gethostname().split(".")[0]
@@ -115,14 +174,15 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket}{f",cred_expire={requeue_delay}" if requeue_delay else ""}
+FirstJobId={first_job_id}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
-ProctrackType=proctrack/linuxproc
+ProctrackType=proctrack/{proctrack}
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -135,17 +195,16 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 # Keep finished jobs visible to `scontrol show job` (no accounting here) for 10 minutes.
 MinJobAge=600
-KillWait=10
+KillWait={kill_wait}
 NodeName={NODE} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN
-# FORCE:2: two jobs may share a CPU, so a test can run two 2-task jobs at once on a 2-core machine.
-PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
+{partitions}
 """
 
 
 class SlurmCluster:
     """One single-node Slurm; start() brings it up, stop() ends every process of it."""
 
-    def __init__(self, root: Optional[str] = None):
+    def __init__(self, root: Optional[str] = None, **conf):
         # Not pytest's tmp_path: its parents are 0700 root, and munged (user munge) must
         # reach its own directory.
         self.root = root or tempfile.mkdtemp(prefix="tfdist-slurm-")
@@ -158,13 +217,15 @@ class SlurmCluster:
             if name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and name != "SLURM_CONF":
                 del self.env[name]
         self.daemons: Dict[str, subprocess.Popen] = {}
+        self.conf_options = conf   # slurm_conf's keywords
 
     @classmethod
     @contextlib.contextmanager
-    def started(cls, timeout: float = 90):
+    def started(cls, timeout: float = 90, **conf):
         """A running cluster; on leaving, every process of it ends and, unless something
-        failed (then its logs stay for a look), its directory goes."""
-        cluster = cls()
+        failed (then its logs stay for a look), its directory goes. `conf`: slurm_conf's
+        keywords (partitions=..., kill_wait=...)."""
+        cluster = cls(**conf)
         try:
             cluster.start(timeout)
             yield cluster
@@ -180,7 +241,10 @@ class SlurmCluster:
             os.makedirs(os.path.join(self.root, name), exist_ok=True)
         self._start_munged(deadline)
         with open(self.conf, "w") as f:
-            f.write(slurm_conf(self.root, self.munge_socket, free_port(), free_port()))
+            f.write(slurm_conf(self.root, self.munge_socket, free_port(), free_port(), **self.conf_options))
+        if self.conf_options.get("proctrack") == "cgroup":
+            with open(os.path.join(self.root, "cgroup.conf"), "w") as f:   # read beside slurm.conf
+                f.write(CGROUP_CONF)
         self._spawn("slurmctld", [which("slurmctld"), "-D", "-i", "-f", self.conf])
         self._await(deadline, "slurmctld to answer `scontrol ping`",
                     lambda: "UP" in self.command(["scontrol", "ping"], check=False).stdout)

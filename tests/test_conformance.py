@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -142,3 +143,15 @@ def test_the_suite_runs_end_to_end_and_writes_its_table(tmp_path):
     assert [(c["model"], c["mode"], c["verdict"]) for c in saved["cells"]] == [
         ("subclassed_mlp", "default", "exact")]
     assert "| subclassed_mlp |" in (tmp_path / "conformance.md").read_text()
+
+
+def test_a_process_that_finishes_no_cell_in_time_is_ended(tmp_path):
+    """--cell_timeout: the whole process group goes (a launch's workers with it), and the
+    outcome says why, for the cells it leaves SILENT MISMATCH."""
+    started = time.time()
+    outcome = conformance.run_process(
+        [sys.executable, "-c", "import time; print('CELL m mode adam trained', flush=True); "
+         "time.sleep(120)"], str(tmp_path / "group.log"), timeout=3)
+    assert outcome["status"] == "no cell finished in 3 s: ended"
+    assert time.time() - started < 60
+    assert "CELL m mode adam" in (tmp_path / "group.log").read_text()

@@ -17,11 +17,12 @@ on real single-node Slurms, signalled by Slurm itself or by scancel. Proven:
   from the previous job's checkpoint; then one more resubmission trains on and ends with an
   uninterrupted job's per-step losses and weights (a resume that was not exact anywhere
   would show there). The same for the job stopped by its time limit.
-Three flows run at once (each has idle waits): the preemptions on their own cluster, the
+Four flows run at once (each has idle waits): the two preemptions on a cluster each, the
 scancels and the time limit on the session's. Skips, saying what to install, without
 Slurm's binaries or root, as test_slurm.py.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -128,12 +129,19 @@ def timestamp(value):
 
 # ---------------------------------------------------------------------------- preemption
 
+PARTITIONS = ("low", "nograce")   # preemptible_conf's: GraceTime=GRACE_TIME, and none
+
+
 @pytest.fixture(scope="module")
-def preemptible_slurm():
-    """A second single-node Slurm, with low partitions that a high one preempts."""
-    with SlurmCluster.started(**preemptible_conf(GRACE_TIME, KILL_WAIT, REQUEUE_DELAY)) as cluster:
-        yield cluster
-    assert not cluster.processes(), "the preemptible cluster left processes behind"
+def preemptible_slurms():
+    """{partition: a single-node Slurm whose high partition preempts its low ones}: one per
+    preemption, so that both run at once (each needs its node to itself)."""
+    with contextlib.ExitStack() as stack:
+        clusters = {partition: stack.enter_context(SlurmCluster.started(
+            **preemptible_conf(GRACE_TIME, KILL_WAIT, REQUEUE_DELAY))) for partition in PARTITIONS}
+        yield clusters
+    for cluster in clusters.values():
+        assert not cluster.processes(), "a preemptible cluster left processes behind"
 
 
 def preempt(cluster, out_dir, partition):
@@ -147,11 +155,6 @@ def preempt(cluster, out_dir, partition):
                            "--wrap", "sleep 3"], output=os.path.join(out_dir, f"high-{partition}.out"),
                           cwd=REPO)
     return dict(job=job, end=job.finish(), high=cluster.job(high))
-
-
-def preempt_with_and_without_grace(cluster, out_dir):
-    """One preemption after the other: each needs the node to itself."""
-    return {partition: preempt(cluster, out_dir, partition) for partition in ("low", "nograce")}
 
 
 # ---------------------------------------------------------------------------- stops and resumes
@@ -199,18 +202,19 @@ def stop_and_resume(cluster, out_dir, name, stops, references):
 
 
 @pytest.fixture(scope="module")
-def runs(slurm, preemptible_slurm, tmp_path_factory):
-    """Every job of this file, in three flows at once: the preemptions and the time limit in
-    threads, the scancels here. The references start with the resubmissions that need them."""
+def runs(slurm, preemptible_slurms, tmp_path_factory):
+    """Every job of this file, in four flows at once: the two preemptions and the time limit
+    in threads, the scancels here. The references start with the resubmissions that need them."""
     out_dir = str(tmp_path_factory.mktemp("slurm-preempt"))
     references = References(slurm, out_dir)
-    with ThreadPoolExecutor(max_workers=2) as beside:
-        preemptions = beside.submit(preempt_with_and_without_grace, preemptible_slurm, out_dir)
+    with ThreadPoolExecutor(max_workers=3) as beside:
+        preemptions = {partition: beside.submit(preempt, cluster, out_dir, partition)
+                       for partition, cluster in preemptible_slurms.items()}
         time_limit = beside.submit(stop_and_resume, slurm, out_dir, "time-limit", TIME_LIMITS, references)
         scancels = stop_and_resume(slurm, out_dir, "scancel", SCANCELS, references)
         references.start(STEPS)   # the preemptions' (already started, unless TERMs came late)
-        return dict(preemptions=preemptions.result(), time_limit=time_limit.result(),
-                    scancels=scancels, references=references.finished())
+        return dict(preemptions={partition: flow.result() for partition, flow in preemptions.items()},
+                    time_limit=time_limit.result(), scancels=scancels, references=references.finished())
 
 
 # ---------------------------------------------------------------------------- checks
@@ -238,7 +242,7 @@ BATCH_SHELL_SAW = {"low": "preempted (tasks exited 4): requeueing job",
                    "nograce": "SIGTERM: asking the tasks to save and exit"}
 
 
-@pytest.mark.parametrize("partition", ["low", "nograce"], ids=["grace_time_30s", "kill_wait_30s"])
+@pytest.mark.parametrize("partition", PARTITIONS, ids=["grace_time_30s", "kill_wait_30s"])
 def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(runs, partition):
     preemption = runs["preemptions"][partition]
     (job, results, tfdist_job), high = preemption["end"], preemption["high"]

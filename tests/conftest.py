@@ -59,7 +59,8 @@ SECOND_STREAM = suite_guard.Process(
 TIME_SENSITIVE_FILES = tuple(f"tests/{name}.py" for name in (
     "test_mpi_errors", "test_mpi_faults", "test_multi_worker_failures",
     "test_pipeline_cross_worker_faults", "test_restart", "test_fault_tolerance", "test_launch",
-    "test_slurm", "test_slurm_mpi", "test_benchmark_suites", "test_model_dir_lock",
+    "test_slurm", "test_slurm_mpi", "test_slurm_preempt", "test_benchmark_suites",
+    "test_model_dir_lock",
     "test_tcp_ring", "test_ring_security"))
 
 

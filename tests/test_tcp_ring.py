@@ -205,11 +205,32 @@ def test_shared_memory_with_a_dead_peer_fails_fast():
     with pytest.raises(tcp_ring.TcpRingError, match="closed its connection|failed"):
         reducers[0].all_reduce_arrays(np.ones(10, np.float32))
     assert time.monotonic() - start < 2
-    with pytest.raises(tcp_ring.TcpRingError, match="must sum the same buffer"):
+    # Another buffer (another model) would need new regions, which need the peer: the
+    # broken ring says so at once.
+    with pytest.raises(tcp_ring.TcpRingError, match="ring broke earlier"):
         reducers[0].all_reduce_arrays(np.ones(17, np.float32))  # 32 floats once aligned
     for reducer in reducers:
         reducer.close()
     rings[0].close()
+
+
+def test_shared_memory_takes_another_models_buffer():
+    """A second model in the same processes sums a buffer of another length: every
+    worker maps new regions (each traces the new step at the same point)."""
+    rings = connect_rings(2, timeout=5.0)
+    reducers = [shm_ring.SharedMemoryAllReduce(ring) for ring in rings]
+    for length in (10, 40, 10):
+        outputs = [None, None]
+
+        def reduce(rank):
+            outputs[rank] = reducers[rank].all_reduce_arrays(
+                np.full(length, rank + 1, np.float32))[0].copy()
+
+        run_all(reduce, 2)
+        assert all(np.array_equal(out, np.full(length, 3, np.float32)) for out in outputs)
+    for reducer, ring in zip(reducers, rings):
+        reducer.close()
+        ring.close()
 
 
 def test_shm_with_workers_on_other_hosts_is_refused():

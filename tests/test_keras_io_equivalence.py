@@ -140,6 +140,19 @@ def test_sparse_rows_classification_reads_the_graph():
 
     grads(tf.constant([1, 2, 2, 5]))
 
+    positions = tf.range(4)   # eager: the traced function captures it as a placeholder
+
+    @tf.function
+    def captured(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, ids)) + tf.reduce_sum(tf.gather(table, positions))
+        gradient = tape.gradient(loss, table)
+        kinds = [follows for follows, _ in sparse_rows.segments(gradient)]
+        assert kinds == [True, False], kinds
+        return tf.convert_to_tensor(gradient)
+
+    captured(tf.constant([1, 2, 2, 5]))
+
 
 def launch(collective, out_dir):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")

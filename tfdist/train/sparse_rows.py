@@ -53,13 +53,30 @@ def rows_follow_the_batch(indices) -> bool:
     seen, pending = set(), [op]
     while pending:
         op = pending.pop()
-        if op.name in seen or op.type in _SAME_EVERYWHERE:
+        if (op.graph, op.name) in seen or op.type in _SAME_EVERYWHERE:
             continue
-        seen.add(op.name)
+        seen.add((op.graph, op.name))
+        captured = _captured_value(op)
+        if captured is not None:   # a value the function took from outside it
+            if hasattr(captured, "op"):
+                pending.append(captured.op)   # a tensor of the enclosing graph: read on
+            continue                          # an eager constant: the same everywhere
         if op.op_def.is_stateful or not op.inputs:
             return True   # a placeholder (the batch), an iterator, a random op, ...
         pending.extend(t.op for t in op.inputs)
     return False
+
+
+def _captured_value(op):
+    """What a function's placeholder stands for when the function captured it (an eager
+    constant, e.g. positions computed with ops.arange outside the traced call, or a
+    tensor of the enclosing graph); None for any other op (the batch is an argument)."""
+    if op.type != "Placeholder" or op.outputs[0].dtype == tf.resource:
+        return None
+    for external, internal in getattr(op.graph, "captures", ()):
+        if internal is op.outputs[0]:
+            return external
+    return None
 
 
 # ------------------------------------------------------------------ nested functions

@@ -52,32 +52,12 @@ def transformer():
     import keras
     layers = keras.layers
 
-    class TransformerBlock(layers.Layer):
-        def __init__(self, embed_dim, num_heads, ff_dim):
-            super().__init__()
-            self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-            self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
-                                         layers.Dense(embed_dim)])
-            self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-            self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-
-        def call(self, inputs):
-            out1 = self.layernorm1(inputs + self.att(inputs, inputs))
-            return self.layernorm2(out1 + self.ffn(out1))
-
-    class TokenAndPositionEmbedding(layers.Layer):
-        def __init__(self, maxlen, vocab_size, embed_dim):
-            super().__init__()
-            self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-            self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-        def call(self, x):
-            positions = keras.ops.arange(0, keras.ops.shape(x)[-1], 1)
-            return self.token_emb(x) + self.pos_emb(positions)
+    from tfdist.benchmarks.conformance_keras_io import (TokenAndPositionEmbedding,
+                                                        TransformerBlock)
 
     inputs = keras.Input((SEQ,), dtype="int32")
     x = TokenAndPositionEmbedding(SEQ, VOCAB, 16)(inputs)
-    x = TransformerBlock(16, 2, 32)(x)
+    x = TransformerBlock(16, 2, 32, rate=0.0)(x)
     x = layers.GlobalAveragePooling1D()(x)
     x = layers.Dense(20, activation="relu")(x)
     model = keras.Model(inputs, layers.Dense(CLASSES)(x))

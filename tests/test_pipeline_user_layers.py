@@ -20,6 +20,9 @@ from keras import layers, ops
 
 import tfdist
 from tfdist.errors import UsageError
+# keras-io's two custom layers as keras-io writes them (no **kwargs in __init__): the
+# conformance corpus's copy, one for every test.
+from tfdist.benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
 from tfdist.parallel.pipeline import PipelineParallelism, copying
 from tfdist.testing import equivalence
 
@@ -33,42 +36,6 @@ LAYOUTS = {
 }
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
               "adam": lambda: keras.optimizers.Adam(0.01)}
-
-
-# ---------------------------------------------------------------- keras-io's layers, verbatim
-
-class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
-
-
-class TransformerBlock(layers.Layer):
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
-        super().__init__()
-        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential(
-            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
-
-    def call(self, inputs):
-        attn_output = self.att(inputs, inputs)
-        attn_output = self.dropout1(attn_output)
-        out1 = self.layernorm1(inputs + attn_output)
-        ffn_output = self.ffn(out1)
-        ffn_output = self.dropout2(ffn_output)
-        return self.layernorm2(out1 + ffn_output)
 
 
 def keras_io_transformer(optimizer: str, frozen: bool = False):

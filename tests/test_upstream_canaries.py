@@ -194,7 +194,8 @@ def test_tensorboard_scalars_do_not_grow_the_process(tmp_path):
 def test_keras_private_batch_norm_api():
     """tfdist.train.batch_stats replaces BatchNormalization._moments(inputs, mask) on
     the user's layers with the global batch's moments, reading _reduction_axes, and walks
-    sub-layers with Layer._flatten_layers (keras-team/keras#19541: no public hook)."""
+    sub-layers with Layer._flatten_layers (keras_fixes.all_layers; keras-team/keras#4398
+    closed without a public recursive listing)."""
     import keras
     from keras.src.layers.normalization import batch_normalization as bn
     assert list(inspect.signature(bn.BatchNormalization._moments).parameters) == [

@@ -23,20 +23,18 @@ from typing import List
 import keras
 import tensorflow as tf
 
+from tfdist.train import keras_fixes
+
 log = logging.getLogger("tfdist")
 
-GLOBAL, PER_REPLICA = "global", "per_replica"
-CHOICES = (GLOBAL, PER_REPLICA)
+GLOBAL, PER_REPLICA = "global", "per_replica"   # config.BATCH_STATISTICS
 SUM = tf.distribute.ReduceOp.SUM
 
 
 def batch_norm_layers(model) -> List[keras.layers.BatchNormalization]:
     """Every BatchNormalization in the model, nested ones (inside custom layers, nested
     models) included."""
-    # Keras exports no recursive sub-layer walk; _flatten_layers is what its own
-    # tracking uses (keras-team/keras#19541 asks for a public one). Canary:
-    # tests/test_upstream_canaries.py::test_keras_private_batch_norm_api.
-    return [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+    return [layer for layer in keras_fixes.all_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
@@ -48,8 +46,9 @@ def use_global_statistics(model, num_replicas: int, mode: str) -> List[str]:
         return []
     for layer in norms:
         # An instance attribute: this model's layers only, whatever else the process runs.
-        # BatchNormalization._moments(inputs, mask) is private (no public hook for the
-        # statistics; keras-team/keras#19541); same canary as above.
+        # BatchNormalization._moments(inputs, mask) is private: Keras has no public hook
+        # for the statistics a layer normalises by (no upstream issue asks for one).
+        # Canary: tests/test_upstream_canaries.py::test_keras_private_batch_norm_api.
         layer._moments = _global_moments_of(layer)
     names = [layer.path for layer in norms]
     log.info("%s: %d BatchNormalization layer(s) normalise by the global batch's statistics "

@@ -18,13 +18,16 @@ from typing import List
 
 import keras
 
+from tfdist.train import keras_fixes
+
 log = logging.getLogger("tfdist")
 
 
 def stochastic_layers(model) -> List[str]:
     """Layers that draw random numbers while training: each holds a
     keras.random.SeedGenerator (Dropout, GaussianNoise, RandomFlip, ...)."""
-    return [f"{layer.name} ({type(layer).__name__})" for layer in _all_layers(model)
+    return [f"{layer.name} ({type(layer).__name__})"
+            for layer in keras_fixes.all_layers(model)
             if any(isinstance(value, keras.random.SeedGenerator)
                    for value in vars(layer).values()) and not _switched_off(layer)]
 
@@ -87,12 +90,6 @@ def _listed(names: List[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _all_layers(model) -> List:
-    # Keras exports no recursive sub-layer walk; _flatten_layers is its own tracking's
-    # (keras-team/keras#19541). Canary: tests/test_upstream_canaries.py.
-    return model._flatten_layers(include_self=False, recursive=True)
-
-
 def _bias_then_batch_norm(model) -> List:
     """(layer with a bias, BatchNormalization) pairs where the layer's output has no
     other consumer and the normalisation runs over the bias's (last) axis. Graph
@@ -102,8 +99,7 @@ def _bias_then_batch_norm(model) -> List:
     outputs = [id(t) for t in keras.tree.flatten(model.outputs)] if layers else []
     pairs = []
     for norm in layers:
-        if not isinstance(norm, keras.layers.BatchNormalization) or isinstance(
-                norm.input, (list, tuple, dict)) or norm.axis not in (-1, len(norm.input.shape) - 1):
+        if not _normalises_last_axis(norm):
             continue
         producer = next((layer for layer in layers if layer.output is norm.input), None)
         if (producer is not None and getattr(producer, "bias", None) is not None
@@ -111,6 +107,13 @@ def _bias_then_batch_norm(model) -> List:
                 and _consumers(operations, norm.input) == 1 and id(norm.input) not in outputs):
             pairs.append((producer, norm))
     return pairs
+
+
+def _normalises_last_axis(layer) -> bool:
+    """A BatchNormalization of one input over its last (channel) axis."""
+    return (isinstance(layer, keras.layers.BatchNormalization)
+            and not isinstance(layer.input, (list, tuple, dict))
+            and layer.axis in (-1, len(layer.input.shape) - 1))
 
 
 def _called_once(layer) -> bool:

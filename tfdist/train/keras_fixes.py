@@ -156,3 +156,13 @@ def gradients_already_summed(optimizer):
 
 def _unchanged(grads_and_vars):
     return grads_and_vars
+
+
+def all_layers(layer) -> list:
+    """`layer` and all its sub-layers, recursively, each parent before its children.
+
+    Private: Keras has no public recursive listing of sub-layers (keras-team/keras#4398,
+    closed without one); _flatten_layers is what its own tracking uses. Canaries:
+    tests/test_upstream_canaries.py::test_keras_private_batch_norm_api and
+    tests/test_pipeline_user_layers.py::test_keras_still_lists_nested_layers_parents_first."""
+    return layer._flatten_layers(include_self=True, recursive=True)

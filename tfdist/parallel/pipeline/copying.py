@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import UsageError, require
+from tfdist.train.keras_fixes import all_layers  # noqa: F401 (split_state imports it here)
 
 # Keys Keras' base Layer.get_config adds to every config; an __init__ without **kwargs
 # does not take them.
@@ -205,19 +206,12 @@ def _classes(layers) -> list:
     return [type(x).__name__ for x in layers]
 
 
-def all_layers(layer) -> list:
-    """`layer` and all its sub-layers, recursively, each parent before its children."""
-    # Private: Keras has no public recursive listing of sub-layers (keras-team/keras#4398,
-    # closed without one). Canary: tests/test_pipeline_user_layers.py::
-    # test_keras_still_lists_nested_layers_parents_first.
-    return layer._flatten_layers(include_self=True, recursive=True)
-
-
 def _top_layers(model) -> list:
     """The model's operations with weights or flags: layers and keras.ops calls, no inputs."""
     operations = model.operations if hasattr(model, "operations") else model.layers
     return [op for op in operations if not isinstance(op, keras.layers.InputLayer)]
 
 
-# Keras exports no class for functional models (canary: the test named in all_layers).
+# Keras exports no class for functional models (canary: the test named in
+# keras_fixes.all_layers).
 _GRAPH_MODELS = (keras.Sequential, keras.src.models.functional.Functional)

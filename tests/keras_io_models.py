@@ -49,6 +49,18 @@ def timeseries_convnet():
     return keras.Model(inputs, outputs)
 
 
+def masked_sequences():
+    """Padded token sequences (Embedding(mask_zero=True), as keras-io's text examples pad
+    them) normalised by a BatchNormalization that receives the mask: its statistics are
+    over the unpadded positions of the whole batch."""
+    inputs = layers.Input(shape=(MAXLEN,))
+    x = layers.Embedding(VOCAB, EMBED, mask_zero=True)(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(2, activation="softmax")(x)
+    return keras.Model(inputs, outputs)
+
+
 class FrozenInside(layers.Layer):
     """A custom layer with a frozen projection inside and a trainable one after it."""
 
@@ -93,12 +105,18 @@ def _arrays(name: str):
     if name == "text":
         # Repeated tokens within and across examples: the token table's rows repeat too.
         return rng.integers(0, VOCAB, (n, MAXLEN)).astype("int32"), rng.integers(0, 2, n)
+    if name == "masked":
+        # Each example padded with 0 after its own length (1 to MAXLEN tokens).
+        ids = rng.integers(1, VOCAB, (n, MAXLEN))
+        ids[np.arange(MAXLEN) >= rng.integers(1, MAXLEN + 1, (n, 1))] = 0
+        return ids.astype("int32"), rng.integers(0, 2, n)
     if name == "timeseries":
         return rng.normal(size=(n, MAXLEN * 2, 1)).astype("float32"), rng.integers(0, 2, n)
     return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, n)
 
 
-BUILDERS = {"text": text_transformer, "timeseries": timeseries_convnet, "frozen": frozen_base}
+BUILDERS = {"text": text_transformer, "timeseries": timeseries_convnet, "frozen": frozen_base,
+            "masked": masked_sequences}
 
 
 def case(name: str, optimizer: str):

@@ -5,8 +5,9 @@
   without global_clipnorm: each replica, worker and micro-batch holds the same position
   rows, which must add up row by row (tfdist/train/sparse_rows.py); before, mirrored
   ended 44% off one device;
-- Conv1D + BatchNormalization: global batch statistics by default in the data-parallel
-  modes (tfdist/train/batch_stats.py), refused by the pipeline's micro-batches;
+- Conv1D + BatchNormalization, and a masked BatchNormalization after a padded Embedding:
+  global batch statistics by default in the data-parallel modes
+  (tfdist/train/batch_stats.py), refused by the pipeline's micro-batches;
 - frozen layers (top-level, and inside a custom layer) stay bit-identical.
 
 Every comparison: 8 steps, per-step losses and every replica's final weights within
@@ -106,6 +107,14 @@ def test_batch_norm_trains_on_the_global_batch_under_mirrored(caplog):
              for path in report.not_covered]
     assert kinds == [("conv1d", "bias"), ("batch_normalization", "moving_mean")] * 2
     assert "feeds only BatchNormalization" in caplog.text
+
+
+def test_masked_batch_norm_trains_on_the_global_batch_under_mirrored():
+    # The masked moments (batch_stats.global_moments' other branch): padded positions
+    # count in no replica's sums.
+    assert_exact("masked:adam", in_mode("masked:adam", "mirrored"))
+    per_replica = in_mode("masked:adam", "mirrored", batch_statistics="per_replica")
+    assert not equivalence.compare_runs(one_device("masked:adam"), per_replica).equivalent
 
 
 def test_per_replica_batch_statistics_is_announced_and_differs(caplog):

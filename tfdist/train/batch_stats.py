@@ -89,19 +89,38 @@ def global_moments(context, inputs, mask, axes):
     if mask is None:
         local_sum = tf.reduce_sum(x, axes, keepdims=True)
         examples = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-        total, count = context.all_reduce(SUM, [local_sum, examples * tf.ones_like(local_sum)])
+        total, count = replica_sum(context, [local_sum, examples * tf.ones_like(local_sum)])
         mean = total / count
         deviation = tf.math.squared_difference(x, tf.stop_gradient(mean))
     else:
         weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
-        total, count = context.all_reduce(SUM, [tf.reduce_sum(x * weights, axes, keepdims=True),
-                                                tf.reduce_sum(weights, axes, keepdims=True)])
+        total, count = replica_sum(context, [tf.reduce_sum(x * weights, axes, keepdims=True),
+                                             tf.reduce_sum(weights, axes, keepdims=True)])
         count = count + keras.backend.epsilon()
         mean = total / count
         deviation = tf.square(tf.where(weights > 0, x - mean, 0))
-    squares = context.all_reduce(SUM, tf.reduce_sum(deviation, axes, keepdims=True))
+    squares, = replica_sum(context, [tf.reduce_sum(deviation, axes, keepdims=True)])
     variance = squares / count
     mean, variance = tf.squeeze(mean), tf.squeeze(variance)
     if x.dtype != inputs.dtype:
         mean, variance = tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
     return mean, variance
+
+
+def replica_sum(context, values: list) -> list:
+    """context.all_reduce(SUM, values), differentiable (the gradient of an all-sum is the
+    all-sum of the gradients), at a tracing cost that does not grow with the model.
+
+    ReplicaContext.all_reduce is a tf.custom_gradient, which walks the graph backward
+    from its outputs to its inputs to find the variables used in between. Under
+    MirroredStrategy the outputs depend on every replica's inputs, and only this
+    replica's stop the walk: each call walks the other replicas' whole forward (and, in
+    the backward pass, backward) graph, so tracing grows with layers squared (measured:
+    MobileNetV2, 52 BatchNormalization layers, mirrored x2: 135 s to trace against 21 s
+    with per-replica statistics). Here the values are all-reduced behind stop_gradient,
+    where that walk ends, and the gradient is given by this custom_gradient instead."""
+    @tf.custom_gradient
+    def summed(*xs):
+        ys = context.all_reduce(SUM, [tf.stop_gradient(x) for x in xs])
+        return ys, lambda *dys: replica_sum(context, list(dys))
+    return list(summed(*values))

@@ -102,7 +102,7 @@ OPTIMIZERS = {
 def _arrays(name: str):
     rng = np.random.default_rng(7)
     n = GLOBAL_BATCH * STEPS
-    if name == "text":
+    if name in ("text", "text64"):
         # Repeated tokens within and across examples: the token table's rows repeat too.
         return rng.integers(0, VOCAB, (n, MAXLEN)).astype("int32"), rng.integers(0, 2, n)
     if name == "masked":
@@ -115,8 +115,23 @@ def _arrays(name: str):
     return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, n)
 
 
+def in_float64(build):
+    """`build` under Keras' global dtype policy float64: every layer's variables and
+    computation in float64 (a layer's policy is fixed when it is made). The policy, not
+    floatx: Keras fixes its global policy from floatx at the first layer a process
+    builds, and set_floatx does not change it after that."""
+    def build_in_float64():
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy("float64")
+        try:
+            return build()
+        finally:
+            keras.config.set_dtype_policy(previous)
+    return build_in_float64
+
+
 BUILDERS = {"text": text_transformer, "timeseries": timeseries_convnet, "frozen": frozen_base,
-            "masked": masked_sequences}
+            "masked": masked_sequences, "text64": in_float64(text_transformer)}
 
 
 def case(name: str, optimizer: str):

@@ -41,6 +41,13 @@ CASES = ("text:adam", "text:adam_clip", "timeseries:adam", "frozen:adam")
 # Launched workers train the clipped text case only (its rows are summed before the
 # clip, which covers the unclipped path's sum too) to keep 5 launches short.
 LAUNCHED_CASES = ("text:adam_clip", "timeseries:adam", "frozen:adam")
+# tfdist's own collectives pack every gradient into one buffer: a float64 model's must
+# be summed in float64 (TF's auto and ring keep each tensor's dtype themselves).
+FLOAT64_CASE = "text64:adam"
+
+
+def launched_cases(collective):
+    return LAUNCHED_CASES + ((FLOAT64_CASE,) if collective in ("tcp", "shm", "mpi") else ())
 _references = {}
 
 
@@ -168,7 +175,8 @@ def launch(collective, out_dir):
     mpi = ["--mpi"] if collective == "mpi" else []
     return subprocess.run(
         [sys.executable, "-m", "tfdist.launch", *mpi, "--workers", "2", "--", sys.executable,
-         "tests/workers/keras_io_cases.py", collective, ",".join(LAUNCHED_CASES), str(out_dir)],
+         "tests/workers/keras_io_cases.py", collective, ",".join(launched_cases(collective)),
+         str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -193,16 +201,40 @@ def worker_run(out_dir, case, rank, paths):
 def test_two_workers_train_keras_io_models_like_one_device(collective, tmp_path):
     result = launch(collective, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for case in LAUNCHED_CASES:
+    for case in launched_cases(collective):
         reference = one_device(case)
         for rank in (0, 1):
             run, initial_frozen = worker_run(tmp_path, case, rank, reference.paths)
             report = equivalence.compare_runs(reference, run)
             assert report.equivalent, f"{case} over {collective}, rank {rank}: {report}"
+            if case == FLOAT64_CASE:
+                assert_float64_to_the_last_bits(reference, run)
             if case.startswith("frozen"):
                 frozen = frozen_values(reference.paths, run.replica_weights[f"rank {rank}"])
                 assert len(frozen) == len(initial_frozen) == 4
                 assert all(np.array_equal(a, b) for a, b in zip(frozen, initial_frozen))
+
+
+def assert_float64_to_the_last_bits(reference, run):
+    """A float64 run's weights held to float64's precision: a gradient sum that passed
+    through float32 would be off by about 1e-8 relative, far inside RTOL but far outside
+    1e-12. (The losses tfdist records are float32: compared at RTOL by assert_exact.)"""
+    expected = reference.record().weights
+    for replica, weights in run.replica_weights.items():
+        assert len(weights) == len(expected) > 0
+        for got, want in zip(weights, expected):
+            assert got.dtype == want.dtype
+            # Not weight_mismatches: its absolute floor (ATOL, 1e-6) would pass float32's
+            # rounding of these small updates. Relative to at least 1: the attention's
+            # key bias is cancelled by the softmax and holds only rounding noise (1e-15).
+            error = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0)
+            assert error < 1e-12, (replica, error, got.shape)
+
+
+def test_a_float64_model_trains_in_float64_under_mirrored():
+    run = in_mode(FLOAT64_CASE, "mirrored")
+    assert_exact(FLOAT64_CASE, run)
+    assert_float64_to_the_last_bits(one_device(FLOAT64_CASE), run)
 
 
 def test_position_rows_are_summed_under_jit_compile_too():

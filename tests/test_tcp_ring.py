@@ -265,3 +265,68 @@ def test_shared_memory_that_cannot_be_reserved_is_named(monkeypatch, tmp_path):
             in error and "--collective=tcp" in error
     for ring in rings:
         ring.close()
+
+
+def exchange(reducers, inputs_of_rank):
+    outputs = [None] * len(reducers)
+
+    def reduce(rank):
+        outputs[rank] = [np.array(o, copy=True)
+                         for o in reducers[rank].all_reduce_arrays(*inputs_of_rank(rank))]
+
+    run_all(reduce, len(reducers))
+    return outputs
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_float64_model_is_summed_in_float64(transport):
+    """A float64 gradient beside float32 ones (the loss): the buffer is float64, the
+    float32 arrays widen exactly, and the sums are float64's."""
+    rings = connect_rings(2, timeout=10.0)
+    reducers = (rings if transport == "tcp"
+                else [shm_ring.SharedMemoryAllReduce(ring) for ring in rings])
+    rng = np.random.default_rng(64)
+    grads = [rng.standard_normal((9, 7)) for _ in range(2)]          # float64
+    losses = [np.float32(1.0 + 2 ** -20 * rank) for rank in range(2)]
+    outputs = exchange(reducers, lambda rank: [grads[rank], losses[rank]])
+    for summed_grad, summed_loss in outputs:
+        assert summed_grad.dtype == np.float64
+        assert summed_grad.tobytes() == (grads[0] + grads[1]).tobytes()
+        assert summed_loss == np.float64(losses[0]) + np.float64(losses[1])
+    # Then a float32 model in the same processes: float32 sums again (shm: new regions).
+    outputs = exchange(reducers, lambda rank: [grads[rank].astype(np.float32)])
+    assert all(out.dtype == np.float32 for out, in outputs)
+    assert outputs[0][0].tobytes() == (grads[0].astype(np.float32)
+                                       + grads[1].astype(np.float32)).tobytes()
+    for reducer in reducers:
+        reducer.close()
+    for ring in rings:
+        ring.close()
+
+
+def test_workers_that_sum_other_dtypes_fail_at_their_first_exchange():
+    rings = connect_rings(2, timeout=5.0)
+    errors = []
+
+    def reduce(rank):
+        dtype = np.float64 if rank else np.float32
+        try:
+            rings[rank].all_reduce_arrays(np.ones(10, dtype))
+        except tcp_ring.TcpRingError as error:
+            errors.append(str(error))
+
+    run_all(reduce, 2)
+    assert len(errors) == 2
+    for ring in rings:
+        ring.close()
+
+
+def test_buffer_layout_aligns_float64_arrays_too():
+    arrays = [np.full(9, 1.0), np.float32(3.0)]
+    layout = tcp_ring.BufferLayout.of(arrays)
+    assert layout.dtype == np.float64 and layout.starts == [0, 16] and layout.length == 24
+    buffer = layout.empty()
+    assert buffer.dtype == np.float64 and buffer.ctypes.data % 64 == 0
+    layout.pack(arrays, buffer)
+    assert np.count_nonzero(buffer) == 10
+    assert layout.digest != tcp_ring.BufferLayout([(9,), ()]).digest

@@ -234,7 +234,8 @@ def hold_free_port(host: str) -> socket.socket:
 
 
 class MpiAllReduce:
-    """Sums float32 arrays over the MPI world in place; see the module docstring."""
+    """Sums arrays over the MPI world in place (float32, or float64 if any is: mpi4py
+    takes the MPI datatype from the buffer's); see the module docstring."""
 
     def __init__(self, world: World):
         self.MPI, self.comm = world.MPI, world.comm

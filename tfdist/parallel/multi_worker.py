@@ -239,13 +239,13 @@ class MultiWorkerParallelism(StrategyParallelism):
 
         return train_step
 
-    def _map_shared_memory(self, shapes) -> None:
+    def _map_shared_memory(self, shapes, dtype) -> None:
         """The gradients' regions, before training: a full /dev/shm is a usage error here,
         not a failed step (a peer that fails to map ends this worker as a cluster error).
         This runs while the step is traced, where autograph would wrap the error in a
         StagingError with a traceback, so it is kept for _guarded to raise as it is."""
         try:
-            self.reducer.prepare(shapes)
+            self.reducer.prepare(shapes, dtype)
         except shm_ring.SharedMemoryUnavailable as error:
             self._setup_error = UsageError(f"--collective=shm: {error}")
         except tcp_ring.TcpRingError as error:
@@ -462,8 +462,8 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
     TF's own collectives do for IndexedSlices and what the one-device batch holds.
     Rows the batch did not choose (a position table) are summed row by row
     (tfdist/train/sparse_rows.py).
-    `on_trace(shapes)`, if given, is called in Python while the step is traced, with
-    the shapes of the arrays every step will sum.
+    `on_trace(shapes, dtype)`, if given, is called in Python while the step is traced,
+    with the shapes of the arrays every step will sum and the dtype it sums them in.
     """
     loss_and_grads = step_math.make_loss_and_grads(model, optimizer, jit_compile)
     variables = model.trainable_variables
@@ -487,11 +487,16 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
             tensors = [t for g in packed
                        for t in (g.tensors if isinstance(g, SparseBlocks) else [g])]
             tensors.append(loss)
+            # One buffer dtype (tcp_ring.BufferLayout): float64 if any tensor is, so a
+            # float64 model's sums keep float64; float32 tensors widen exactly.
+            wide = tf.as_dtype(tcp_ring.buffer_dtype(t.dtype.as_numpy_dtype for t in tensors))
             if on_trace is not None:
-                on_trace([tuple(t.shape) for t in tensors])
-            summed = tf.numpy_function(sum_keeping_the_loss, tensors,
-                                       [tf.float32] * len(tensors), stateful=True)
-            summed = [tf.ensure_shape(s, t.shape) for s, t in zip(summed, tensors)]
+                on_trace([tuple(t.shape) for t in tensors], wide.as_numpy_dtype)
+            summed = tf.numpy_function(sum_keeping_the_loss,
+                                       [tf.cast(t, wide) for t in tensors],
+                                       [wide] * len(tensors), stateful=True)
+            summed = [tf.cast(tf.ensure_shape(s, t.shape), t.dtype)
+                      for s, t in zip(summed, tensors)]
             summed_loss.append(summed[-1])
             return unpack_gradients(packed, summed[:-1])
 
@@ -504,8 +509,9 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
 
 
 class SparseBlocks:
-    """One worker's IndexedSlices as two float32 tensors (values, indices) padded with
-    zeros into this worker's block of num_workers blocks, so a SUM gathers them."""
+    """One worker's IndexedSlices as two tensors (values in float32, or float64 for a
+    float64 table; indices in float32) padded with zeros into this worker's block of
+    num_workers blocks, so a SUM gathers them."""
 
     def __init__(self, grad: tf.IndexedSlices, variable, rank: int, num_workers: int):
         rows = grad.values.shape[0]
@@ -517,7 +523,8 @@ class SparseBlocks:
                 f"2**24 rows; {variable.path} has {variable.shape[0]}. Use --collective=auto.")
         before, after = rank * rows, (num_workers - 1 - rank) * rows
         padding = [[before, after]] + [[0, 0]] * (grad.values.shape.rank - 1)
-        self.tensors = [tf.pad(tf.cast(grad.values, tf.float32), padding),
+        value_dtype = tf.float64 if grad.values.dtype == tf.float64 else tf.float32
+        self.tensors = [tf.pad(tf.cast(grad.values, value_dtype), padding),
                         tf.pad(tf.cast(grad.indices, tf.float32), [[before, after]])]
         self.index_dtype, self.dense_shape = grad.indices.dtype, grad.dense_shape
         self.dtype = grad.values.dtype

@@ -8,7 +8,8 @@ workers. The data moves through memory-mapped files in /dev/shm; only small
 signals go over the TCP ring's sockets, which keep their timeouts and notice a
 dead peer at once.
 
-One all-reduce of a float32 buffer of L elements over n workers:
+One all-reduce of a buffer of L elements (float32, or float64 for a float64 model)
+over n workers:
   1. each worker copies its buffer into its own input region;
   2. barrier;
   3. worker r sums chunk r of every input region, in worker order 0..n-1, into
@@ -64,22 +65,24 @@ class SharedMemoryUnavailable(TcpRingError):
 
 
 class SharedMemoryAllReduce:
-    """Sums float32 buffers over the workers of `ring`, who must share this host."""
+    """Sums float32 (or float64) buffers over the workers of `ring`, who must share this
+    host."""
 
     def __init__(self, ring: TcpRing):
         self.ring = ring
-        self._length = None
+        self._layout_key = None           # (elements, dtype) of the mapped regions
         self._maps: List[mmap.mmap] = []
         self._inputs: List[np.ndarray] = []
         self._result: np.ndarray = None   # in worker 0's file, after its input region
 
     def all_reduce_arrays(self, *arrays: np.ndarray) -> List[np.ndarray]:
-        """Sums several float32 arrays as one buffer; returns arrays of the same shapes
-        (views of the shared result region: valid until the next call)."""
+        """Sums several arrays as one buffer (tcp_ring.BufferLayout: float32, or float64 if
+        any is); returns arrays of the same shapes (views of the shared result region:
+        valid until the next call)."""
         if self.ring.size == 1:
             return self.ring.all_reduce_arrays(*arrays)   # a copy: nothing to share
         layout = BufferLayout.of(arrays)
-        self._map_regions(layout.length)
+        self._map_regions(layout.length, layout.dtype)
         rank = self.ring.rank
         layout.pack(arrays, self._inputs[rank])
         self.ring.barrier(layout.digest)   # every worker sums this layout, or nobody sums
@@ -91,57 +94,60 @@ class SharedMemoryAllReduce:
         self.ring.barrier()
         return layout.unpack(self._result)
 
-    def prepare(self, shapes) -> None:
-        """Maps the regions for arrays of these shapes now (every worker at once),
-        so a lack of shared memory is reported before training, not in a step."""
+    def prepare(self, shapes, dtype=np.float32) -> None:
+        """Maps the regions for arrays of these shapes and this buffer dtype now (every
+        worker at once), so a lack of shared memory is reported before training, not in
+        a step."""
         if self.ring.size > 1:
-            self._map_regions(BufferLayout(shapes).length)
+            layout = BufferLayout(shapes, dtype)
+            self._map_regions(layout.length, layout.dtype)
 
     def _chunk(self, worker: int) -> slice:
         """Worker `worker`'s share of [0, L): n nearly equal contiguous chunks."""
-        n = self.ring.size
-        bounds = [self._length * i // n for i in range(n + 1)]
+        n, length = self.ring.size, self._layout_key[0]
+        bounds = [length * i // n for i in range(n + 1)]
         return slice(bounds[worker], bounds[worker + 1])
 
-    def _map_regions(self, length: int) -> None:
+    def _map_regions(self, length: int, dtype: np.dtype) -> None:
         """Creates this worker's region (worker 0's also holds the result region), learns
         the others' and maps them (first call, and when another model's buffer comes)."""
-        if self._length == length:
+        if self._layout_key == (length, dtype):
             return
-        if self._length is not None:
+        if self._layout_key is not None:
             # Another model in this process (every worker traces it at the same point of
             # the program, so every worker comes here): its own regions.
-            log.info("collective shm: a buffer of %d floats replaces one of %d; new regions",
-                     length, self._length)
+            log.info("collective shm: a buffer of %d %s replaces one of %d %s; new regions",
+                     length, dtype.name, *self._layout_key)
             self.close()
-        floats_of = [2 * length] + [length] * (self.ring.size - 1)
-        path = self._create_region(floats_of[self.ring.rank])
+        itemsize = dtype.itemsize
+        elements_of = [2 * length] + [length] * (self.ring.size - 1)
+        path = self._create_region(itemsize * elements_of[self.ring.rank])
         try:
             paths = self.ring.all_gather_bytes(path.encode(), PATH_BYTES)
-            for peer, (peer_path, floats) in enumerate(zip(paths, floats_of)):
+            for peer, (peer_path, elements) in enumerate(zip(paths, elements_of)):
                 self._maps.append(self._map_peer_region(peer, peer_path.decode(errors="replace"),
-                                                        4 * floats))
+                                                        itemsize * elements))
             self.ring.barrier()   # every worker holds every mapping ...
         finally:
             os.unlink(path)       # ... so the file can go: the mappings keep the memory
-        regions = [np.frombuffer(region, np.float32) for region in self._maps]
+        regions = [np.frombuffer(region, dtype) for region in self._maps]
         self._inputs = [region[:length] for region in regions]
         self._result = regions[0][length:]
-        self._length = length
-        log.info("collective shm: %d workers sum %s through shared memory in %s",
-                 self.ring.size, gib(4 * length), shared_memory_dir())
+        self._layout_key = (length, dtype)
+        log.info("collective shm: %d workers sum %s of %s through shared memory in %s",
+                 self.ring.size, gib(itemsize * length), dtype.name, shared_memory_dir())
 
-    def _create_region(self, floats: int) -> str:
+    def _create_region(self, nbytes: int) -> str:
         directory = shared_memory_dir()
         fd = path = None
         try:
             fd, path = tempfile.mkstemp(prefix=region_prefix(self.ring.rank), dir=directory)
-            os.posix_fallocate(fd, 0, 4 * floats)  # fails now (ENOSPC), not SIGBUS later
+            os.posix_fallocate(fd, 0, nbytes)  # fails now (ENOSPC), not SIGBUS later
         except OSError as error:
             if path:
                 os.unlink(path)
             raise SharedMemoryUnavailable(
-                f"worker {self.ring.rank} cannot reserve {gib(4 * floats)} of shared "
+                f"worker {self.ring.rank} cannot reserve {gib(nbytes)} of shared "
                 f"memory in {directory} ({error.strerror}). Free space there (in Docker: "
                 f"--shm-size), point $TFDIST_SHM_DIR at a larger tmpfs, or use "
                 f"--collective=tcp.") from None
@@ -163,7 +169,7 @@ class SharedMemoryAllReduce:
             except BufferError:   # an array still views it; the OS unmaps it at exit
                 pass
         self._maps = []
-        self._length = None
+        self._layout_key = None
 
 
 def region_prefix(rank: int) -> str:

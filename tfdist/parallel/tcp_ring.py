@@ -67,40 +67,50 @@ def listen(host: str, spans_hosts: bool = False) -> socket.socket:
 
 
 class BufferLayout:
-    """Where each of several float32 arrays sits in one flat buffer: every array
-    starts on a 64-byte boundary, because TensorFlow takes a numpy_function's
-    64-byte-aligned outputs without copying them (a misaligned one costs a copy;
-    tests/test_upstream_canaries.py watches this). The gaps are zeros.
-    `digest` names the shapes in every frame, so workers with different models
-    fail at their first exchange instead of summing unrelated numbers."""
+    """Where each of several arrays sits in one flat buffer of one dtype: float32, or
+    float64 when any array is float64 (a float64 model's sums keep its precision; the
+    float32 arrays beside them widen exactly). Every array starts on a 64-byte
+    boundary, because TensorFlow takes a numpy_function's 64-byte-aligned outputs
+    without copying them (a misaligned one costs a copy; tests/test_upstream_canaries.py
+    watches this). The gaps are zeros. `digest` names the dtype and shapes in every
+    frame, so workers with different models fail at their first exchange instead of
+    summing unrelated numbers."""
 
-    ALIGN = 16   # float32 elements in 64 bytes (EIGEN_MAX_ALIGN_BYTES)
+    ALIGN_BYTES = 64   # EIGEN_MAX_ALIGN_BYTES
     _cache = {}
 
-    def __init__(self, shapes):
+    def __init__(self, shapes, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        self.align = self.ALIGN_BYTES // self.dtype.itemsize   # elements per boundary
         self.shapes = [tuple(shape) for shape in shapes]
         self.sizes = [int(np.prod(shape)) for shape in self.shapes]
         self.starts, end = [], 0
         for size in self.sizes:
             self.starts.append(end)
-            end += -(-size // self.ALIGN) * self.ALIGN
+            end += self._padded(size)
         self.length = end
-        self.digest = layout_digest("arrays", self.shapes)
+        self.nbytes = end * self.dtype.itemsize
+        detail = self.shapes if self.dtype == np.float32 else (self.dtype.name, self.shapes)
+        self.digest = layout_digest("arrays", detail)
 
     @classmethod
     def of(cls, arrays) -> "BufferLayout":
         shapes = tuple(np.shape(a) for a in arrays)
-        if shapes not in cls._cache:
-            cls._cache[shapes] = cls(shapes)
-        return cls._cache[shapes]
+        dtype = buffer_dtype(np.asarray(a).dtype for a in arrays)
+        if (shapes, dtype) not in cls._cache:
+            cls._cache[shapes, dtype] = cls(shapes, dtype)
+        return cls._cache[shapes, dtype]
+
+    def _padded(self, size: int) -> int:
+        return -(-size // self.align) * self.align
 
     def empty(self) -> np.ndarray:
         """A fresh, 64-byte-aligned buffer whose gaps are zero."""
-        raw = np.empty(self.length + self.ALIGN, np.float32)
-        skip = (-raw.ctypes.data % 64) // 4
+        raw = np.empty(self.length + self.align, self.dtype)
+        skip = (-raw.ctypes.data % self.ALIGN_BYTES) // self.dtype.itemsize
         buffer = raw[skip:skip + self.length]
         for start, size in zip(self.starts, self.sizes):
-            buffer[start + size:start + -(-size // self.ALIGN) * self.ALIGN] = 0.0
+            buffer[start + size:start + self._padded(size)] = 0.0
         return buffer
 
     def pack(self, arrays, buffer: np.ndarray) -> None:
@@ -112,17 +122,24 @@ class BufferLayout:
                 for start, size, shape in zip(self.starts, self.sizes, self.shapes)]
 
 
+def buffer_dtype(dtypes) -> np.dtype:
+    """float64 if any of `dtypes` is, else float32: the one dtype a ring sums in."""
+    return np.dtype(np.float64 if any(np.dtype(d) == np.float64 for d in dtypes)
+                    else np.float32)
+
+
 def layout_digest(purpose: str, detail) -> bytes:
     return hashlib.blake2b(f"{purpose}:{detail!r}".encode(), digest_size=16).digest()
 
 
 @functools.lru_cache(maxsize=256)   # bounded: a run sums a handful of buffer lengths
-def flat_digest(length: int) -> bytes:
-    return layout_digest("flat", length)
+def flat_digest(length: int, dtype: str = "float32") -> bytes:
+    return layout_digest("flat", length if dtype == "float32" else (dtype, length))
 
 
 class TcpRing:
-    """A ring over `size` workers; `reduce_in_place(buffer)` sums a float32 buffer over it
+    """A ring over `size` workers; `reduce_in_place(buffer)` sums a float32 (or float64)
+    buffer over it
     (`all_reduce` and `all_reduce_arrays` wrap it for a copy, and for several arrays)."""
 
     def __init__(self, rank: int, size: int, to_next: socket.socket, from_prev: socket.socket,
@@ -165,13 +182,15 @@ class TcpRing:
         return cls(rank, size, to_next, from_prev, timeout, addresses)
 
     def all_reduce(self, buffer: np.ndarray) -> np.ndarray:
-        """Sums `buffer` (1-D float32) over the ring; returns a new array with the sums."""
-        out = np.array(buffer, dtype=np.float32, copy=True)
+        """Sums `buffer` (1-D; float32, or float64 kept as float64) over the ring; returns a
+        new array with the sums."""
+        out = np.array(buffer, dtype=buffer_dtype([np.asarray(buffer).dtype]), copy=True)
         self.reduce_in_place(out)
         return out
 
     def all_reduce_arrays(self, *arrays: np.ndarray) -> List[np.ndarray]:
-        """Sums several float32 arrays as one buffer; returns arrays of the same shapes.
+        """Sums several arrays as one buffer (BufferLayout: float32, or float64 if any is);
+        returns arrays of the same shapes.
 
         One copy in (into a fresh buffer, so nothing TensorFlow still holds is ever
         written) and none out: the results are aligned views of that buffer.
@@ -183,13 +202,14 @@ class TcpRing:
         return layout.unpack(buffer)
 
     def reduce_in_place(self, out: np.ndarray, digest: Optional[bytes] = None) -> None:
-        """Replaces the 1-D float32 array `out` by its sum over the ring. `digest` names
-        its layout (default: its length); every worker must pass the same."""
+        """Replaces the 1-D array `out` (float32 or float64) by its sum over the ring.
+        `digest` names its layout (default: its dtype and length); every worker must pass
+        the same."""
         if self.size == 1:
             return
-        digest = digest or flat_digest(len(out))
+        digest = digest or flat_digest(len(out), out.dtype.name)
         chunks = np.array_split(out, self.size)
-        scratch = np.empty(max(len(c) for c in chunks), np.float32)
+        scratch = np.empty(max(len(c) for c in chunks), out.dtype)
         n, r = self.size, self.rank
         for step in range(n - 1):        # reduce-scatter: chunk (r+1) % n ends up summed here
             sent, received = (r - step) % n, (r - step - 1) % n

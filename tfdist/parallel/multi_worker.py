@@ -495,7 +495,10 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
             summed = tf.numpy_function(sum_keeping_the_loss,
                                        [tf.cast(t, wide) for t in tensors],
                                        [wide] * len(tensors), stateful=True)
-            summed = [tf.cast(tf.ensure_shape(s, t.shape), t.dtype)
+            # Back to float64 where it was; everything else comes back float32, as it
+            # always did (a float32 sum of a bfloat16 value keeps its digits).
+            summed = [tf.cast(tf.ensure_shape(s, t.shape),
+                              tf.float64 if t.dtype == tf.float64 else tf.float32)
                       for s, t in zip(summed, tensors)]
             summed_loss.append(summed[-1])
             return unpack_gradients(packed, summed[:-1])

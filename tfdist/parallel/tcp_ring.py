@@ -89,7 +89,6 @@ class BufferLayout:
             self.starts.append(end)
             end += self._padded(size)
         self.length = end
-        self.nbytes = end * self.dtype.itemsize
         detail = self.shapes if self.dtype == np.float32 else (self.dtype.name, self.shapes)
         self.digest = layout_digest("arrays", detail)
 

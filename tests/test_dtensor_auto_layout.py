@@ -471,3 +471,70 @@ def test_cli_layout_auto_prints_its_table(tmp_path):
     assert "layout=auto on mesh batch=2,model=2" in log, log[-3000:]
     assert re.search(r"dense_0/kernel +\[unsharded, model\]", log), log[-3000:]
     assert re.search(r"dense_1/kernel +\[model, unsharded\]", log), log[-3000:]
+
+
+def float64_dense_model():
+    import keras
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float64")
+    try:
+        inputs = keras.Input((12,))
+        outputs = keras.layers.Dense(CLASSES, activation="softmax", name="head")(inputs)
+        model = keras.Model(inputs, outputs)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_float64_model_with_a_split_layout_is_refused_and_replicated_trains():
+    import tfdist
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 12)), rng.integers(0, CLASSES, 16)
+    split = {"head/kernel": (None, "model"), "head/bias": ("model",)}
+    strategy = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout=split)
+    with strategy.scope():
+        model = float64_dense_model()
+    with pytest.raises(UsageError) as refused:
+        strategy.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    message = str(refused.value)
+    assert "float64" in message and "head/kernel" in message and "float32" in message
+    assert not any(text in message for text in TF_ERROR_TEXT)
+    strategy.close()
+    replicated = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout={})
+    with replicated.scope():
+        model = float64_dense_model()
+    replicated.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert all(loss > 1.0 for loss in replicated.last_result.losses)   # log(4) = 1.39
+    replicated.close()
+
+
+def test_dtensor_float64_sparse_cross_entropy_canary():
+    """Why layout_check.refuse_split_float64 exists: DTensor computes this loss as 0 on
+    float64 logits split along their classes (float32 is right). When this fails,
+    upstream fixed it: lift the refusal."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+    mesh = dtensor.create_mesh([("batch", 2), ("model", 2)],
+                               devices=[f"CPU:{i}" for i in range(4)])
+    logits = np.random.default_rng(0).uniform(0.1, 1, size=(4, 10))
+    labels = np.array([1, 7, 3, 9])
+    expected = float(tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)))
+
+    @tf.function
+    def total(split_logits, split_labels):
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(split_labels,
+                                                                            split_logits))
+
+    def on_mesh(value, axes):
+        replicated = dtensor.copy_to_mesh(tf.constant(value),
+                                          dtensor.Layout.replicated(mesh, len(axes)))
+        return dtensor.relayout(replicated, dtensor.Layout(axes, mesh))
+
+    results = {}
+    for dtype in ("float32", "float64"):
+        value = total(on_mesh(logits.astype(dtype), ["batch", "model"]),
+                      on_mesh(labels, ["batch"]))
+        results[dtype] = float(dtensor.unpack(value)[0])
+    assert abs(results["float32"] - expected) < 1e-5 * expected
+    assert results["float64"] == 0.0, results

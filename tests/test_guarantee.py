@@ -26,6 +26,17 @@ def test_random_layers_at_a_non_zero_rate_are_announced(caplog):
     assert caplog.text.count("draw random numbers while training") == 1
 
 
+def test_every_random_layer_is_named_however_many(caplog):
+    # EfficientNetB0 has 10 Dropout layers; a warning that named 4 "and 6 more" left the
+    # user unable to set the others to rate 0 (found by the conformance corpus).
+    names = [f"drop_{i}" for i in range(10)]
+    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dropout(0.1, name=n)
+                                                     for n in names])
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        guarantee.announce(compiled(model, "sgd"), "mirrored")
+    assert all(f"{name} (Dropout)" in caplog.text for name in names)
+
+
 def test_random_layers_at_rate_zero_are_not_random():
     sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.0),
                                    keras.layers.GaussianNoise(0.0), keras.layers.Dense(2)])

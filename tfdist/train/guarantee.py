@@ -68,7 +68,8 @@ def announce(model, mode: str) -> None:
             "%s: %s draw random numbers while training; tfdist's modes draw them per "
             "replica, shard or stage, so this model does not train to one device's numbers "
             "step for step (exactness holds with them at rate 0).", mode,
-            _listed(random_layers))
+            # Every one named: each is a layer the user must set to rate 0 to compare.
+            ", ".join(random_layers))
     pairs = _bias_then_batch_norm(model) if _amplifies_noise(model.optimizer) else []
     if pairs:
         log.warning(

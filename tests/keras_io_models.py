@@ -22,6 +22,7 @@ from keras import layers
 
 # keras-io's two custom layers, as the conformance corpus reproduces them (no **kwargs).
 from tfdist.benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
+from tfdist.testing import equivalence
 
 VOCAB, MAXLEN, EMBED = 50, 8, 16
 GLOBAL_BATCH, STEPS = 16, 8
@@ -116,17 +117,10 @@ def _arrays(name: str):
 
 
 def in_float64(build):
-    """`build` under Keras' global dtype policy float64: every layer's variables and
-    computation in float64 (a layer's policy is fixed when it is made). The policy, not
-    floatx: Keras fixes its global policy from floatx at the first layer a process
-    builds, and set_floatx does not change it after that."""
+    """`build` with every layer's variables and computation in float64."""
     def build_in_float64():
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy("float64")
-        try:
+        with equivalence.dtype_policy("float64"):
             return build()
-        finally:
-            keras.config.set_dtype_policy(previous)
     return build_in_float64
 
 

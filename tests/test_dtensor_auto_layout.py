@@ -475,14 +475,10 @@ def test_cli_layout_auto_prints_its_table(tmp_path):
 
 def float64_dense_model():
     import keras
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float64")
-    try:
+    with equivalence.dtype_policy("float64"):
         inputs = keras.Input((12,))
         outputs = keras.layers.Dense(CLASSES, activation="softmax", name="head")(inputs)
         model = keras.Model(inputs, outputs)
-    finally:
-        keras.config.set_dtype_policy(previous)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     return model
 

@@ -193,15 +193,8 @@ def make_optimizer(name: str):
 def compiled_builder(spec: zoo.ZooModel, optimizer: str, random_layers: bool = False,
                      precision: str = FLOAT32):
     def build_and_compile():
-        import keras
-        # The global policy, not floatx: Keras fixes its policy from floatx at the first
-        # layer a process builds. Each layer keeps the policy it was made with.
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy(precision)
-        try:
+        with equivalence.dtype_policy(precision):
             model = spec.build(random_layers)
-        finally:
-            keras.config.set_dtype_policy(previous)
         model.compile(optimizer=make_optimizer(optimizer), loss=spec.loss())
         return model
     return build_and_compile

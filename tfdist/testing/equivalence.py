@@ -7,6 +7,7 @@ global batch. Weights are compared per variable by relative norm,
 variable whose values all ended near 0 passes with every difference within ATOL.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -223,6 +224,21 @@ def stochastic_layers(model) -> List[str]:
     draws its random numbers per replica or per shard (tfdist/train/guarantee.py)."""
     from tfdist.train import guarantee
     return guarantee.stochastic_layers(model)
+
+
+@contextlib.contextmanager
+def dtype_policy(name: str):
+    """Keras' global dtype policy `name` ("float64", ...) for the layers built inside; the
+    previous one after. The policy, not floatx: Keras fixes its global policy from floatx
+    at the first layer a process builds, and set_floatx does not change it after that
+    (each layer keeps the policy it was made with)."""
+    import keras
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,

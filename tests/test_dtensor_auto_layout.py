@@ -123,6 +123,29 @@ def timeseries_classifier():
     return model
 
 
+def preprocessed_convnet():
+    """keras.applications' stems: EfficientNet's Rescaling + Normalization (built, never
+    adapted) and ConvNeXt's Normalization with given mean and variance, both of which keep
+    their statistics as plain tensors; DenseNet's transition (1x1 conv, AveragePooling2D)
+    and a 1-D average pooling with "same" padding."""
+    import keras
+    layers = keras.layers
+    inputs = keras.Input((8, 8, 3))
+    x = layers.Rescaling(1.0 / 255.0)(inputs)
+    x = layers.Normalization(axis=-1, name="adaptable")(x)
+    x = layers.Normalization(mean=[0.4, 0.5, 0.6], variance=[0.05, 0.06, 0.07], name="given")(x)
+    x = layers.Conv2D(8, 3, padding="same", name="conv")(x)
+    x = layers.AveragePooling2D(2, strides=2, name="transition_pool")(x)
+    x = layers.Reshape((16, 8))(x)
+    x = layers.AveragePooling1D(3, strides=2, padding="same", name="pool_1d")(x)
+    x = layers.Flatten()(x)
+    x = layers.Dense(16, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, layers.Dense(CLASSES, name="head")(x))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def arrays(build):
     rng = np.random.default_rng(0)
     shape = build().input_shape[1:]
@@ -212,6 +235,32 @@ def test_auto_layout_trains_depthwise_and_separable_convolutions_like_one_device
     assert layouts["fc/kernel"] == ["model"], layouts
 
 
+def test_auto_layout_trains_normalization_stems_and_average_pooling_like_one_device():
+    """Normalization's plain-tensor statistics are put on the mesh (sharding.
+    replicate_layer_constants) and average pooling gets a gradient DTensor can run: the
+    stems of EfficientNet and ConvNeXt and DenseNet's transitions failed at their first
+    step under any DTensor layout before."""
+    model = assert_exact(preprocessed_convnet)
+    assert split_axes(model.get_layer("fc").kernel) == ["model"]
+
+
+@pytest.mark.parametrize("shape,window,strides,padding", [
+    ((2, 8, 8, 3), 2, 2, "VALID"), ((2, 9, 7, 3), 3, 2, "SAME"), ((2, 9, 7, 2), 3, 1, "VALID"),
+    ((2, 11, 3), 3, 2, "SAME"), ((2, 10, 3), 2, 2, "VALID")])
+def test_average_pooling_taps_give_tensorflows_gradients(shape, window, strides, padding):
+    import tensorflow as tf
+    from tfdist.parallel.dtensor import depthwise
+    x = tf.constant(np.random.default_rng(len(shape) + window).normal(size=shape), tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        native = tf.nn.avg_pool(x, window, strides, padding)
+        rewritten = depthwise.avg_pool(x, window, strides, padding)
+        native_loss, rewritten_loss = (tf.reduce_sum(tf.sin(y)) for y in (native, rewritten))
+    np.testing.assert_array_equal(native.numpy(), rewritten.numpy())   # the forward is TF's
+    want, got = tape.gradient(native_loss, x), tape.gradient(rewritten_loss, x)
+    assert equivalence.relative_error(got, want) < 1e-6
+
+
 @pytest.mark.parametrize("strides,padding,dilation,multiplier", [
     (1, "SAME", 1, 1), (2, "SAME", 1, 2), (1, "VALID", 2, 1), (2, "VALID", 1, 3),
     (3, "SAME", 1, 1)])
@@ -235,23 +284,25 @@ def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, m
 
 
 def test_keras_calls_the_swapped_depthwise_functions():
-    """Canary for depthwise.py: Keras' TF backend calls tf.nn.depthwise_conv2d and
-    tf.nn.separable_conv2d by attribute, so the swap reaches its layers."""
+    """Canary for depthwise.py: Keras' TF backend calls tf.nn.depthwise_conv2d,
+    tf.nn.separable_conv2d and tf.nn.avg_pool by attribute, so the swap reaches its layers."""
     import tensorflow as tf
     from tfdist.parallel.dtensor import depthwise
-    model = mobile_convnet()
+    swapped = ("avg_pool", "depthwise_conv2d", "separable_conv2d")
     calls = []
 
     def counted(name, function):
         return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
 
     with depthwise.gradients_dtensor_can_run():
-        for name in ("depthwise_conv2d", "separable_conv2d"):
+        for name in swapped:
             setattr(tf.nn, name, counted(name, getattr(tf.nn, name)))
-        model(np.zeros((1, 8, 8, 3), "float32"))
-    assert sorted(set(calls)) == ["depthwise_conv2d", "separable_conv2d"], calls
+        mobile_convnet()(np.zeros((1, 8, 8, 3), "float32"))
+        preprocessed_convnet()(np.zeros((1, 8, 8, 3), "float32"))
+    assert sorted(set(calls)) == list(swapped), calls
     assert tf.nn.depthwise_conv2d is depthwise._native_depthwise       # restored after
     assert tf.nn.separable_conv2d is depthwise._native_separable
+    assert tf.nn.avg_pool is depthwise._native_avg_pool
 
 
 # ------------------------------------------------------------------------- refusals

@@ -23,6 +23,14 @@ trace), in this thread's call. Canary: tests/test_dtensor_auto_layout.py::
 test_keras_calls_the_swapped_depthwise_functions.
 Only channels_last (NHWC) with "SAME"/"VALID" padding is rewritten (what Keras uses
 on CPU and by default); layout_check refuses the rest before any trace.
+
+Average pooling has the same gap: 'AvgPoolGrad' "does not implement layout
+propagation" (DenseNet's transition blocks failed at their first step). Its forward
+stays TensorFlow's `tf.nn.avg_pool`; its gradient is that of the same average
+written as a depthwise convolution with a constant filter of ones divided by the
+number of inputs each window covers (what TF divides by, padding excluded), through
+`as_taps`. Keras' TF backend calls `tf.nn.avg_pool` by attribute too; the canary
+above checks it.
 """
 
 import contextlib
@@ -34,6 +42,7 @@ _lock = threading.RLock()
 _depth = [0]   # nested entries (a step traced inside another's trace) swap once
 _native_depthwise = tf.nn.depthwise_conv2d
 _native_separable = tf.nn.separable_conv2d
+_native_avg_pool = tf.nn.avg_pool
 
 
 @contextlib.contextmanager
@@ -42,6 +51,7 @@ def gradients_dtensor_can_run():
     with _lock:
         _depth[0] += 1
         tf.nn.depthwise_conv2d, tf.nn.separable_conv2d = depthwise_conv2d, separable_conv2d
+        tf.nn.avg_pool = avg_pool
         try:
             yield
         finally:
@@ -49,6 +59,7 @@ def gradients_dtensor_can_run():
             if not _depth[0]:
                 tf.nn.depthwise_conv2d = _native_depthwise
                 tf.nn.separable_conv2d = _native_separable
+                tf.nn.avg_pool = _native_avg_pool
 
 
 def rewritable(data_format, padding) -> bool:
@@ -88,6 +99,54 @@ def separable_conv2d(input, depthwise_filter, pointwise_filter, strides, padding
                                  data_format=data_format, dilations=dilations)
     return tf.nn.conv2d(depthwise, pointwise_filter, [1, 1, 1, 1], padding="VALID",
                         data_format=data_format)
+
+
+def avg_pool(input, ksize, strides, padding, data_format=None, name=None):  # noqa: A002
+    """tf.nn.avg_pool with a gradient DTensor can run, for channels_last 1-D and 2-D
+    pooling with "SAME"/"VALID" padding; anything else is TensorFlow's own op."""
+    rank = input.shape.rank
+    if rank not in (3, 4) or data_format not in (None, "NWC", "NHWC") or padding not in (
+            "SAME", "VALID"):
+        return _native_avg_pool(input, ksize, strides, padding, data_format=data_format,
+                                name=name)
+    spatial = rank - 2
+    window, step = _per_spatial_dim(ksize, spatial), _per_spatial_dim(strides, spatial)
+
+    @tf.custom_gradient
+    def pool(x):
+        y = _native_avg_pool(x, ksize, strides, padding, data_format=data_format, name=name)
+
+        def gradient(dy):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                same = _average_as_taps(x, window, step, padding)
+            return tape.gradient(same, x, output_gradients=dy)
+
+        return y, gradient
+
+    return pool(tf.convert_to_tensor(input))
+
+
+def _per_spatial_dim(value, spatial):
+    """tf.nn.avg_pool's ksize/strides (an int, or 1, N or N + 2 values) as N values."""
+    values = [value] if isinstance(value, int) else list(value)
+    if len(values) == spatial + 2:
+        values = values[1:-1]
+    return values * spatial if len(values) == 1 else values
+
+
+def _average_as_taps(x, window, step, padding):
+    """The average pooling of x (N[H]WC) as a depthwise convolution by ones / count."""
+    if x.shape.rank == 3:      # 1-D: a 2-D pooling over a height of 1
+        pooled = _average_as_taps(tf.expand_dims(x, 1), [1] + window, [1] + step, padding)
+        return tf.squeeze(pooled, 1)
+    channels = x.shape[-1]
+    strides = [1, step[0], step[1], 1]
+    ones = tf.ones(window + [channels, 1], x.dtype)
+    sums = as_taps(x, ones, strides, padding, (1, 1))
+    counts = as_taps(tf.ones([1] + list(x.shape[1:3]) + [1], x.dtype), ones[:, :, :1],
+                     strides, padding, (1, 1))
+    return sums / counts
 
 
 def as_taps(x, kernel, strides, padding, dilations):

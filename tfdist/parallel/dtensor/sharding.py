@@ -30,7 +30,7 @@ test_keras_variable_storage_canary fails if Keras stops routing reads and
 assigns through it.
 """
 
-from typing import Dict, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -39,6 +39,7 @@ from tensorflow.experimental import dtensor
 from tfdist.errors import UsageError
 from tfdist.parallel.dtensor import update
 from tfdist.parallel.dtensor.layout_map import UNSHARDED
+from tfdist.train import keras_fixes
 
 
 def make_layout(spec: Sequence[str], mesh) -> dtensor.Layout:
@@ -101,12 +102,41 @@ def give_dtensor_storage(variable, layout: dtensor.Layout) -> None:
 
 
 def shard_model(model, specs: Mapping[str, Sequence[str]], mesh) -> Dict[str, dtensor.Layout]:
-    """Gives every model variable DTensor storage; returns {path: layout}."""
+    """Gives every model variable DTensor storage, and every tensor a layer holds
+    outside its variables a replicated copy on the mesh; returns {path: layout}."""
     layouts = {}
     for variable in model.variables:
         layouts[variable.path] = make_layout(specs[variable.path], mesh)
         give_dtensor_storage(variable, layouts[variable.path])
+    replicate_layer_constants(model, mesh)
     return layouts
+
+
+def replicate_layer_constants(model, mesh) -> List[str]:
+    """Copies the plain tensors layers keep as attributes onto the mesh, replicated.
+
+    Keras' Normalization keeps its mean and variance as eager tensors, not
+    variables (computed once in build or after adapt; keras.applications'
+    EfficientNet and ConvNeXt start with one). A traced step captures them as
+    inputs, and DTensor (TF 2.21) accepts only scalars and small integer tensors as
+    regular inputs: every such model failed at its first step with "got a regular
+    tensor for input N ... but was expecting a DTensor", even fully replicated.
+    Replicated, they are the same values on every device. Returns the attributes
+    replaced, as "layer_name.attribute"."""
+    replaced = []
+    for layer in keras_fixes.all_layers(model):
+        for name, value in list(vars(layer).items()):
+            if _plain_eager_tensor(value):
+                layout = dtensor.Layout.replicated(mesh, value.shape.rank)
+                setattr(layer, name, dtensor.copy_to_mesh(value, layout))
+                replaced.append(f"{layer.name}.{name}")
+    return replaced
+
+
+def _plain_eager_tensor(value) -> bool:
+    return (isinstance(value, tf.Tensor) and not isinstance(value, tf.Variable)
+            and hasattr(value, "numpy") and value.shape.rank and value.shape.rank > 0
+            and not dtensor.is_dtensor(value))
 
 
 def build_sharded_optimizer(optimizer_fn, model, layouts: Mapping[str, dtensor.Layout], mesh):

@@ -228,7 +228,7 @@ def test_auto_layout_runs_a_convnet_with_its_convolutions_replicated():
 
 def test_auto_layout_trains_depthwise_and_separable_convolutions_like_one_device():
     """DTensor cannot lay out TensorFlow's depthwise gradients; tfdist's rewrite of them
-    (depthwise.py) makes a MobileNet-shaped model train, exact."""
+    (rewrites.py) makes a MobileNet-shaped model train, exact."""
     model = assert_exact(mobile_convnet)
     layouts = {v.path: split_axes(v) for v in model.variables}
     assert not any(layouts[p] for p in layouts if p.startswith(("stem", "depth", "separ", "bn")))
@@ -249,12 +249,12 @@ def test_auto_layout_trains_normalization_stems_and_average_pooling_like_one_dev
     ((2, 11, 3), 3, 2, "SAME"), ((2, 10, 3), 2, 2, "VALID")])
 def test_average_pooling_taps_give_tensorflows_gradients(shape, window, strides, padding):
     import tensorflow as tf
-    from tfdist.parallel.dtensor import depthwise
+    from tfdist.parallel.dtensor import rewrites
     x = tf.constant(np.random.default_rng(len(shape) + window).normal(size=shape), tf.float32)
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
         native = tf.nn.avg_pool(x, window, strides, padding)
-        rewritten = depthwise.avg_pool(x, window, strides, padding)
+        rewritten = rewrites.avg_pool(x, window, strides, padding)
         native_loss, rewritten_loss = (tf.reduce_sum(tf.sin(y)) for y in (native, rewritten))
     np.testing.assert_array_equal(native.numpy(), rewritten.numpy())   # the forward is TF's
     want, got = tape.gradient(native_loss, x), tape.gradient(rewritten_loss, x)
@@ -266,7 +266,7 @@ def test_average_pooling_taps_give_tensorflows_gradients(shape, window, strides,
     (3, "SAME", 1, 1)])
 def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, multiplier):
     import tensorflow as tf
-    from tfdist.parallel.dtensor import depthwise
+    from tfdist.parallel.dtensor import rewrites
     rng = np.random.default_rng(strides + multiplier)
     x = tf.constant(rng.normal(size=(2, 9, 10, 3)), tf.float32)
     kernel = tf.constant(rng.normal(size=(3, 3, 3, multiplier)), tf.float32)
@@ -275,7 +275,7 @@ def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, m
     with tf.GradientTape(persistent=True) as tape:
         tape.watch([x, kernel])
         native = tf.nn.depthwise_conv2d(x, kernel, *args, dilations=dilations)
-        rewritten = depthwise.depthwise_conv2d(x, kernel, *args, dilations=dilations)
+        rewritten = rewrites.depthwise_conv2d(x, kernel, *args, dilations=dilations)
         native_loss, rewritten_loss = (tf.reduce_sum(tf.sin(y)) for y in (native, rewritten))
     np.testing.assert_array_equal(native.numpy(), rewritten.numpy())   # the forward is TF's
     for want, got in zip(tape.gradient(native_loss, [x, kernel]),
@@ -283,26 +283,28 @@ def test_depthwise_taps_give_tensorflows_gradients(strides, padding, dilation, m
         assert equivalence.relative_error(got, want) < 1e-6
 
 
-def test_keras_calls_the_swapped_depthwise_functions():
-    """Canary for depthwise.py: Keras' TF backend calls tf.nn.depthwise_conv2d,
-    tf.nn.separable_conv2d and tf.nn.avg_pool by attribute, so the swap reaches its layers."""
+def test_keras_calls_the_rewritten_functions():
+    """Canary for rewrites.py: Keras' TF backend calls tf.nn.depthwise_conv2d,
+    separable_conv2d, avg_pool and sparse_softmax_cross_entropy_with_logits by attribute,
+    so the swap reaches its layers and losses."""
+    import keras
     import tensorflow as tf
-    from tfdist.parallel.dtensor import depthwise
-    swapped = ("avg_pool", "depthwise_conv2d", "separable_conv2d")
+    from tfdist.parallel.dtensor import rewrites
+    swapped = ("avg_pool", "depthwise_conv2d", "separable_conv2d",
+               "sparse_softmax_cross_entropy_with_logits")
     calls = []
 
     def counted(name, function):
         return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
 
-    with depthwise.gradients_dtensor_can_run():
+    with rewrites.dtensor_runnable_ops():
         for name in swapped:
             setattr(tf.nn, name, counted(name, getattr(tf.nn, name)))
         mobile_convnet()(np.zeros((1, 8, 8, 3), "float32"))
-        preprocessed_convnet()(np.zeros((1, 8, 8, 3), "float32"))
+        predictions = preprocessed_convnet()(np.zeros((1, 8, 8, 3), "float32"))
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.array([1]), predictions)
     assert sorted(set(calls)) == list(swapped), calls
-    assert tf.nn.depthwise_conv2d is depthwise._native_depthwise       # restored after
-    assert tf.nn.separable_conv2d is depthwise._native_separable
-    assert tf.nn.avg_pool is depthwise._native_avg_pool
+    assert all(getattr(tf.nn, name) is rewrites.native(name) for name in swapped)  # restored
 
 
 # ------------------------------------------------------------------------- refusals
@@ -524,42 +526,55 @@ def test_cli_layout_auto_prints_its_table(tmp_path):
     assert re.search(r"dense_1/kernel +\[model, unsharded\]", log), log[-3000:]
 
 
-def float64_dense_model():
+def float64_dense_model(from_logits=False):
     import keras
     with equivalence.dtype_policy("float64"):
         inputs = keras.Input((12,))
-        outputs = keras.layers.Dense(CLASSES, activation="softmax", name="head")(inputs)
+        hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+        outputs = keras.layers.Dense(CLASSES, activation=None if from_logits else "softmax",
+                                     name="head")(hidden)
         model = keras.Model(inputs, outputs)
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits))
     return model
 
 
-def test_a_float64_model_with_a_split_layout_is_refused_and_replicated_trains():
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_a_float64_model_with_its_classes_split_trains_like_one_device(from_logits):
+    """DTensor computes a float64 sparse cross-entropy over split classes as 0 (with
+    logits) or -inf (Keras' log of probabilities): the canary below. rewrites.py computes
+    it from ops DTensor runs right, so the split trains as one device does."""
+    import keras
     import tfdist
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 12)), rng.integers(0, CLASSES, 16)
-    split = {"head/kernel": (None, "model"), "head/bias": ("model",)}
-    strategy = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout=split)
-    with strategy.scope():
-        model = float64_dense_model()
-    with pytest.raises(UsageError) as refused:
+    x, y = rng.normal(size=(STEPS * BATCH, 12)), rng.integers(0, CLASSES, STEPS * BATCH)
+
+    def build():
+        return float64_dense_model(from_logits)
+
+    reference = equivalence.train_keras(
+        "default", build, x, y, fit_kwargs=dict(batch_size=BATCH, epochs=1, shuffle=False))
+    split = {"hidden/kernel": (None, "model"), "hidden/bias": ("model",),
+             "head/kernel": ("model", None)}
+    if from_logits:      # the classes themselves split, as the canary's
+        split = {"head/kernel": (None, "model"), "head/bias": ("model",)}
+    strategy = tfdist.Strategy("dtensor", seed=0, simulate_devices=4, mesh=MESH, layout=split)
+    try:
+        keras.utils.set_random_seed(0)
+        model = build()
         strategy.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    message = str(refused.value)
-    assert "float64" in message and "head/kernel" in message and "float32" in message
-    assert not any(text in message for text in TF_ERROR_TEXT)
-    strategy.close()
-    replicated = tfdist.Strategy("dtensor", simulate_devices=4, mesh=MESH, layout={})
-    with replicated.scope():
-        model = float64_dense_model()
-    replicated.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert all(loss > 1.0 for loss in replicated.last_result.losses)   # log(4) = 1.39
-    replicated.close()
+        candidate = equivalence.Record("dtensor float64 split", list(strategy.last_result.losses),
+                                       model.get_weights())
+    finally:
+        strategy.close()
+    assert len(candidate.losses) == STEPS and model.get_weights()[0].dtype == np.float64
+    equivalence.assert_equivalent(reference.record(), candidate)
 
 
 def test_dtensor_float64_sparse_cross_entropy_canary():
-    """Why layout_check.refuse_split_float64 exists: DTensor computes this loss as 0 on
-    float64 logits split along their classes (float32 is right). When this fails,
-    upstream fixed it: lift the refusal."""
+    """Why rewrites.py rewrites this loss in float64: DTensor computes it as 0 on float64
+    logits split along their classes (float32 is right). When this fails, upstream fixed
+    it: the rewrite can go."""
     import tensorflow as tf
     from tensorflow.experimental import dtensor
     mesh = dtensor.create_mesh([("batch", 2), ("model", 2)],

@@ -8,7 +8,8 @@
     sharding.py    gives a built Keras model and its optimizer DTensor storage
     update.py      the exact optimizer update (SGD, momentum, Adam, AdamW) on shards
     step.py        batch-sharded inputs, the train and eval steps
-    depthwise.py   depthwise convolutions' gradients in ops DTensor can lay out
+    rewrites.py    the few TF ops DTensor cannot run (depthwise and pooling gradients,
+                   float64 cross-entropy), rewritten while a step is traced
     checkpoint.py  sharded save / restore (restores onto any mesh)
 
 Order (each step validated before the next touches TensorFlow state): devices,

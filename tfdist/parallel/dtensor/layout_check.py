@@ -25,7 +25,7 @@ convolutions whose Python call tfdist cannot see (a subclassed block).
 
 Depthwise convolutions (DepthwiseConv1D/2D, SeparableConv1D/2D): DTensor has no
 layout rule for the gradients of their filter and input (measured on TF 2.21), so
-the train step gives them gradients it can run (depthwise.py) for channels_last
+the train step gives them gradients it can run (rewrites.py) for channels_last
 data; channels_first ones are refused whatever the layout.
 """
 
@@ -53,32 +53,9 @@ def check(model, specs: Mapping[str, Sequence[str]],
     depthwise = depthwise_layers(model)
     if depthwise:
         raise UsageError(_depthwise_message(depthwise))
-    refuse_split_float64(model, specs, activation_layouts or {})
     problems = find_problems(model, specs, activation_layouts or {})
     if problems:
         raise UsageError(_message(problems))
-
-
-def refuse_split_float64(model, specs: Mapping[str, Sequence[str]],
-                         activation_layouts: Mapping[str, Sequence]) -> None:
-    """DTensor (TF 2.21) computes tf.nn.sparse_softmax_cross_entropy_with_logits as 0 on
-    float64 logits split along their class axis (float32 is right): a float64 model whose
-    last Dense splits its columns trains on a loss of 0.0 without an error (measured:
-    tests/test_dtensor_auto_layout.py::test_dtensor_float64_sparse_cross_entropy_canary).
-    Which split reaches the loss is not known before tracing, so a float64 model is
-    refused any split but the batch's."""
-    float64 = [v.path for v in model.weights if str(v.dtype) == "float64"]
-    split = [path for path, spec in specs.items() if any(a != "unsharded" for a in spec)]
-    split += [key for key, axes in activation_layouts.items()
-              if any(a is not None for a in list(axes)[1:])]
-    if float64 and split:
-        raise UsageError(
-            f"Model '{model.name}' computes in float64 ({float64[0]} and "
-            f"{len(float64) - 1} more variables) and the layout splits "
-            f"{', '.join(split[:3])}{', ...' if len(split) > 3 else ''}: under DTensor "
-            f"(TF 2.21) a float64 sparse softmax cross-entropy split along its classes is "
-            f"computed as 0, so such a model would train on a loss of 0.0. Use float32 "
-            f"(or mixed_bfloat16), or split only the batch (every variable replicated).")
 
 
 def keras_activation_layouts() -> Dict[str, Tuple]:
@@ -125,7 +102,7 @@ def is_conv(layer) -> bool:
 
 
 def depthwise_layers(model) -> List[object]:
-    """Depthwise or separable convolutions whose gradients depthwise.py cannot rewrite
+    """Depthwise or separable convolutions whose gradients rewrites.py cannot rewrite
     (channels_first): DTensor has no layout rule for the native ones, so they fail
     even fully replicated, and frozen too unless nothing before them trains."""
     return [layer for layer in model_graph.sublayers(model)

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.parallel.dtensor import mesh as mesh_lib
-from tfdist.parallel.dtensor import depthwise, sharding, update
+from tfdist.parallel.dtensor import rewrites, sharding, update
 from tfdist.train import step as step_math
 
 
@@ -80,9 +80,9 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
     @tf.function
     def sharded_step(batch):
         x, y, w = step_math.split_batch(batch)
-        # This body runs only while tracing: depthwise convolutions get gradients DTensor
-        # can lay out (depthwise.py); everything else is TensorFlow's own.
-        with depthwise.gradients_dtensor_can_run():
+        # This body runs only while tracing: the few ops DTensor cannot run are rewritten
+        # (rewrites.py); everything else is TensorFlow's own.
+        with rewrites.dtensor_runnable_ops():
             with tf.GradientTape() as tape:
                 loss, y_pred = step_math.forward_loss(model, x, y, w, training=True)
             grads = tape.gradient(loss, variables)
@@ -111,7 +111,8 @@ def make_predict_step(model, mesh):
 
     @tf.function
     def sharded_predict(x):
-        return tf.nest.map_structure(gather, model(x, training=False))
+        with rewrites.dtensor_runnable_ops():
+            return tf.nest.map_structure(gather, model(x, training=False))
 
     def predict(x):
         packed = tf.nest.map_structure(
@@ -127,7 +128,8 @@ def make_eval_step(model, on_outputs=None):
     @tf.function
     def sharded_eval(batch):
         x, y, w = step_math.split_batch(batch)
-        loss, y_pred = step_math.forward_loss(model, x, y, w, training=False)
+        with rewrites.dtensor_runnable_ops():
+            loss, y_pred = step_math.forward_loss(model, x, y, w, training=False)
         return loss, tf.nest.map_structure(gather, step_math.outputs_of(y, y_pred, w))
 
     def eval_step(iterator):

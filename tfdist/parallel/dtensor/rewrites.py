@@ -1,4 +1,12 @@
-"""Depthwise and separable convolutions under DTensor: the same forward, a gradient DTensor can run.
+"""TensorFlow ops DTensor (TF 2.21) cannot run, rewritten while a DTensor step is traced.
+
+Each rewrite keeps the function Keras' TensorFlow backend calls (by attribute, at call
+time: keras/src/backend/tensorflow/nn.py) and computes the same values with ops
+DTensor lays out; `dtensor_runnable_ops()` swaps them in for the length of a trace.
+The three below: depthwise/separable convolutions' gradients, average pooling's
+gradient, and a float64 sparse softmax cross-entropy.
+
+Depthwise and separable convolutions: the same forward, a gradient DTensor can run.
 
 DTensor (TF 2.21) has no layout rule for the gradients of TensorFlow's depthwise
 convolution ('DepthwiseConv2dNativeBackpropFilter' and '...BackpropInput' "do not
@@ -31,6 +39,16 @@ written as a depthwise convolution with a constant filter of ones divided by the
 number of inputs each window covers (what TF divides by, padding excluded), through
 `as_taps`. Keras' TF backend calls `tf.nn.avg_pool` by attribute too; the canary
 above checks it.
+
+Sparse softmax cross-entropy in float64: DTensor computes
+`tf.nn.sparse_softmax_cross_entropy_with_logits` as 0 (or -inf after Keras' log of
+probabilities) when float64 logits are split along their classes; float32 is right,
+and reductions, softmax and logsumexp over a split axis are right in float64 too
+(tests/test_dtensor_auto_layout.py::test_dtensor_float64_sparse_cross_entropy_canary).
+Keras calls it for SparseCategoricalCrossentropy with or without logits, so a float64
+model whose last Dense was split trained on a loss of 0.0. For float64 logits it is
+rewritten as log-sum-exp minus the label's logit (a one-hot product), with the
+native op's gradient (softmax minus one-hot); other dtypes keep the native op.
 """
 
 import contextlib
@@ -43,23 +61,36 @@ _depth = [0]   # nested entries (a step traced inside another's trace) swap once
 _native_depthwise = tf.nn.depthwise_conv2d
 _native_separable = tf.nn.separable_conv2d
 _native_avg_pool = tf.nn.avg_pool
+_native_sparse_cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits
+
+
+def _rewritten() -> dict:
+    """{tf.nn attribute: its DTensor-runnable rewrite}; the natives are kept above."""
+    return {"depthwise_conv2d": depthwise_conv2d, "separable_conv2d": separable_conv2d,
+            "avg_pool": avg_pool,
+            "sparse_softmax_cross_entropy_with_logits": sparse_softmax_cross_entropy_with_logits}
+
+
+def native(name):
+    return {"depthwise_conv2d": _native_depthwise, "separable_conv2d": _native_separable,
+            "avg_pool": _native_avg_pool,
+            "sparse_softmax_cross_entropy_with_logits": _native_sparse_cross_entropy}[name]
 
 
 @contextlib.contextmanager
-def gradients_dtensor_can_run():
-    """tf.nn.depthwise_conv2d / separable_conv2d with DTensor-runnable gradients, inside."""
+def dtensor_runnable_ops():
+    """tf.nn's functions above replaced by their rewrites, inside (a DTensor step's trace)."""
     with _lock:
         _depth[0] += 1
-        tf.nn.depthwise_conv2d, tf.nn.separable_conv2d = depthwise_conv2d, separable_conv2d
-        tf.nn.avg_pool = avg_pool
+        for name, rewrite in _rewritten().items():
+            setattr(tf.nn, name, rewrite)
         try:
             yield
         finally:
             _depth[0] -= 1
             if not _depth[0]:
-                tf.nn.depthwise_conv2d = _native_depthwise
-                tf.nn.separable_conv2d = _native_separable
-                tf.nn.avg_pool = _native_avg_pool
+                for name in _rewritten():
+                    setattr(tf.nn, name, native(name))
 
 
 def rewritable(data_format, padding) -> bool:
@@ -147,6 +178,25 @@ def _average_as_taps(x, window, step, padding):
     counts = as_taps(tf.ones([1] + list(x.shape[1:3]) + [1], x.dtype), ones[:, :, :1],
                      strides, padding, (1, 1))
     return sums / counts
+
+
+def sparse_softmax_cross_entropy_with_logits(labels=None, logits=None, name=None):
+    """tf.nn's, with float64 logits computed from ops DTensor runs right (module docstring)."""
+    logits = tf.convert_to_tensor(logits)
+    if logits.dtype != tf.float64:
+        return _native_sparse_cross_entropy(labels=labels, logits=logits, name=name)
+
+    @tf.custom_gradient
+    def cross_entropy(values):
+        one_hot = tf.one_hot(labels, values.shape[-1], dtype=values.dtype)
+        loss = tf.reduce_logsumexp(values, axis=-1) - tf.reduce_sum(values * one_hot, axis=-1)
+
+        def gradient(dloss):
+            return dloss[..., None] * (tf.nn.softmax(values, axis=-1) - one_hot)
+
+        return loss, gradient
+
+    return cross_entropy(logits)
 
 
 def as_taps(x, kernel, strides, padding, dilations):

@@ -211,6 +211,46 @@ def test_model_parallel_fit_trains_like_one_device_with_the_layout_map(optimizer
                                rtol=1e-5, atol=1e-6)   # sharded vs one-device sums
 
 
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_model_parallel_trains_a_float64_classifier_with_its_classes_split(from_logits):
+    """The Keras distribution guide's pattern on a float64 MobileNet-shaped classifier
+    (conv, BatchNormalization, global pooling, softmax Dense): the classes' kernel columns
+    over `model`, trained exactly. DTensor computes the sparse cross-entropy of split
+    float64 classes as 0 or -inf where its propagation keeps the classes split up to the
+    loss (the canary in test_dtensor_auto_layout.py; ResNet50 and MobileNetV2 in the
+    conformance corpus); a model this small may gather them first, so this holds the
+    rewrite (rewrites.py) to one device's numbers rather than reproducing the bug."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8, 8, 3)), rng.integers(0, 10, 64).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(SEED)
+        with equivalence.dtype_policy("float64"):
+            inputs = keras.Input((8, 8, 3))
+            h = layers.Conv2D(8, 3, use_bias=False, name="conv")(inputs)
+            h = layers.BatchNormalization(name="bn")(h)
+            h = layers.ReLU(6.0)(h)
+            h = layers.GlobalAveragePooling2D()(h)
+            outputs = layers.Dense(10, activation=None if from_logits else "softmax",
+                                   name="classes")(h)
+            model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits))
+        return model
+
+    reference = train(None, build, x, y, epochs=1)
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["classes/kernel"] = (None, "model")
+    layout_map["classes/bias"] = ("model",)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map,
+                                                    batch_dim_name="batch")
+    candidate = train(distribution, build, x, y, epochs=1)
+    assert candidate[0].get_weights()[0].dtype == np.float64
+    assert shard_shapes(candidate[0])["classes/kernel"] == [(8, 5)]
+    assert_like_one_device(reference, candidate, distribution)
+
+
 def test_the_distribution_scope_routes_fit_and_activation_layouts_are_applied():
     x, y = data()
     reference = train(None, functional_model, x, y, epochs=1)

@@ -183,12 +183,17 @@ def _average_as_taps(x, window, step, padding):
 def sparse_softmax_cross_entropy_with_logits(labels=None, logits=None, name=None):
     """tf.nn's, with float64 logits computed from ops DTensor runs right (module docstring)."""
     logits = tf.convert_to_tensor(logits)
+    labels = tf.convert_to_tensor(labels)
     if logits.dtype != tf.float64:
         return _native_sparse_cross_entropy(labels=labels, logits=logits, name=name)
 
     @tf.custom_gradient
     def cross_entropy(values):
-        one_hot = tf.one_hot(labels, values.shape[-1], dtype=values.dtype)
+        # A comparison, not tf.one_hot: DTensor's OneHot expansion fails when its depth
+        # axis is split ("SPMD expansion resulted in op output inconsistent with the
+        # provided layout", keras ModelParallel on ResNet50's classes).
+        classes = tf.range(values.shape[-1], dtype=labels.dtype)
+        one_hot = tf.cast(tf.equal(labels[..., None], classes), values.dtype)
         loss = tf.reduce_logsumexp(values, axis=-1) - tf.reduce_sum(values * one_hot, axis=-1)
 
         def gradient(dloss):

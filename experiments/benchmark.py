@@ -15,6 +15,8 @@ Suites:
   throughput 2 workers (TF's collectives, --collective=tcp, =shm and =mpi) vs 1
              worker, one thread each, on a compute-bound MLP, and PyTorch DDP gloo
              when torch is installed.
+  network    the throughput suite's 2 workers per collective (auto, tcp, shm, mpi), in
+             `tfdist launch`'s private network against --network=host, alternating.
   bubble     pipeline step time against micro-batches M and stages S, next to the
              GPipe bubble formula (S-1)/(M+S-1).
   scaling    step time, examples/s, speedup and efficiency (speedup / devices)
@@ -62,7 +64,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "bubble", "scaling", "memory", "input", "soak",
+SUITES = ("loop", "allreduce", "throughput", "network", "bubble", "scaling", "memory", "input", "soak",
           "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline",
           "conformance")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
@@ -214,9 +216,10 @@ def main(argv):
             from tfdist.benchmarks import conformance   # no TensorFlow here: it runs processes
             sys.exit(conformance.main([f"--models={FLAGS.models}", f"--modes={FLAGS.modes}",
                                        f"--out_dir={FLAGS.out_dir}"]))
-        elif FLAGS.suite == "throughput":
+        elif FLAGS.suite in ("throughput", "network"):
             from tfdist.benchmarks import throughput
-            rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack)
+            rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack,
+                                      networks=FLAGS.suite == "network")
         else:
             from tfdist import devices
             devices.simulate_cpus(FLAGS.simulate_devices)

@@ -43,7 +43,7 @@ SECOND_STREAM_FILES = tuple(f"tests/{name}.py" for name in (
     "test_plan", "test_keras_io_guide", "test_pipeline_keras_hub", "test_user_code",
     "test_user_data", "test_models", "test_training", "test_equivalence_mirrored",
     "test_mpi", "test_data_sources", "test_one_process_modes", "test_keras_io_equivalence",
-    "test_guarantee"))
+    "test_guarantee", "test_stranger"))
 SECOND_STREAM_PROCESS = "TFDIST_SECOND_STREAM"
 SECOND_STREAM = suite_guard.Process(
     env_var=SECOND_STREAM_PROCESS, runner="tests/test_second_stream.py",

@@ -11,6 +11,7 @@ import re
 import select
 import signal
 import stat
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from tfdist import cli, cluster
+from tfdist import launch as launch_module
+from tfdist.errors import UsageError
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -284,13 +287,19 @@ def test_start_timeout_ends_a_group_whose_worker_never_opens_its_port(tmp_path):
 # --------------------------------------------------------------------------- restarts
 
 RESTART_WORKER = """
-    import json, os, sys
+    import json, os, sys, time
     here, rank = {here!r}, os.environ["TFDIST_RANK"]
     attempt = os.environ["TFDIST_RESTART_COUNT"]
-    with open(os.path.join(here, f"attempt{{attempt}}-rank{{rank}}.json"), "w") as out:
-        out.write(os.environ["TF_CONFIG"])
     with open(os.path.join(here, f"secret{{attempt}}-rank{{rank}}"), "w") as out:
         out.write(os.environ["TFDIST_JOB_SECRET"])
+    with open(os.path.join(here, f"attempt{{attempt}}-rank{{rank}}.json"), "w") as out:
+        out.write(os.environ["TF_CONFIG"])
+    # Rank 1 fails only once rank 0 has written its files: the launcher ends rank 0 as
+    # soon as rank 1 fails, so without this wait the test races the two processes.
+    peer = os.path.join(here, f"attempt{{attempt}}-rank0.json")
+    deadline = time.monotonic() + 30
+    while rank == "1" and not os.path.exists(peer) and time.monotonic() < deadline:
+        time.sleep(0.01)
     marker = os.path.join(here, "failed-once")
     if rank == "1" and ({always} or not os.path.exists(marker)):
         open(marker, "w").close()
@@ -492,3 +501,83 @@ def test_kubernetes_indexed_job_gives_every_pod_a_consistent_tf_config(tmp_path)
     runs = trained_configs(stdout)
     assert_one_consistent_cluster([config for config, _ in runs],
                                   [f"{name}-{i}.{subdomain}:{port}" for i in range(workers)])
+
+
+# --------------------------------------------------------------------------- the workers' network
+
+NETWORK_WORKER = """
+    import json, os, socket
+    here, rank = {here!r}, os.environ["TFDIST_RANK"]
+    with open("/proc/net/dev") as f:
+        interfaces = [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
+    try:
+        socket.create_connection(({host_address!r}, {host_port}), timeout=2).close()
+        reached_host = True
+    except OSError:
+        reached_host = False
+    report = dict(network=os.environ["TFDIST_NETWORK"], namespace=os.readlink("/proc/self/ns/net"),
+                  interfaces=interfaces, reached_host=reached_host, uid=os.getuid())
+    with open(os.path.join(here, rank + ".json"), "w") as out:
+        json.dump(report, out)
+    """
+
+
+def network_reports(tmp_path, *flags, wrap=()):
+    """Each worker's view of its network, with a listener of this test's on the host."""
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as host_listener:
+        worker = script(tmp_path, NETWORK_WORKER.format(
+            here=str(tmp_path), host_address="127.0.0.1",
+            host_port=host_listener.getsockname()[1]))
+        result = subprocess.run([*wrap, *launcher_command("--workers", "2", *flags, "--",
+                                                          sys.executable, worker)],
+                                cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                                timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    return result, [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")
+def test_workers_share_a_private_loopback_only_network_by_default(tmp_path):
+    result, reports = network_reports(tmp_path)
+    assert "workers share a private network" in result.stderr
+    ours = os.readlink("/proc/self/ns/net")
+    assert reports[0]["namespace"] == reports[1]["namespace"] != ours   # one, not ours
+    for report in reports:
+        assert report["network"] == "private" and report["interfaces"] == ["lo"]
+        assert not report["reached_host"]          # nothing crosses, either way
+        assert report["uid"] == os.getuid()        # the workers keep the user's identity
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")
+def test_network_host_gives_the_workers_this_hosts_network_and_says_what_it_exposes(tmp_path):
+    result, reports = network_reports(tmp_path, "--network=host")
+    assert "listens on every interface" in result.stderr and "firewall" in result.stderr
+    for report in reports:
+        assert report["network"] == "host" and report["reached_host"]
+        assert report["namespace"] == os.readlink("/proc/self/ns/net")
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0,
+                    reason="needs root and setpriv to take the namespace capability away")
+def test_where_namespaces_are_not_allowed_the_launcher_says_so_and_uses_the_hosts(tmp_path):
+    """A container without CAP_SYS_ADMIN (and no user namespaces for root) cannot make
+    the private network: the launcher names why and what the host's network exposes;
+    --network=private then refuses to start."""
+    no_admin = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
+    result, reports = network_reports(tmp_path, wrap=no_admin)
+    assert "workers use this host's network: cannot make a private network namespace" in \
+        result.stderr and "Operation not permitted" in result.stderr
+    assert all(report["network"] == "host" and report["reached_host"] for report in reports)
+    refused = subprocess.run([*no_admin, *launcher_command("--workers", "2", "--network=private",
+                                                           "--", sys.executable, "-c", "")],
+                             cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert refused.returncode == 2 and "--network=private: cannot make a private network" in \
+        refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_private_network_cannot_hold_a_host_address():
+    with pytest.raises(UsageError, match="--network=private gives the workers a loopback"):
+        launch_module.parse_args(["--workers", "2", "--network=private", "--host=10.0.0.5",
+                                  "--", "true"])

@@ -15,6 +15,8 @@ Conventions follow TensorFlow's `multi_worker_util`:
 import dataclasses
 import ipaddress
 import json
+import logging
+import os
 import re
 import socket
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
@@ -24,6 +26,8 @@ from tfdist.errors import UsageError, require
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TYPES = ("chief", "worker")   # the tasks that hold replicas under MWMS
 DEFAULT_PORT = 29500                   # Slurm/Kubernetes examples; any free port works
+NETWORK_ENV = "TFDIST_NETWORK"   # set by `tfdist launch`: "private" or "host" (tfdist.netns)
+_servers_announced: List[str] = []
 DTENSOR_VARIABLES = ("DTENSOR_CLIENT_ID", "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NAME", "DTENSOR_JOBS")
 
 
@@ -527,3 +531,23 @@ def validate_dtensor_env(env: Mapping[str, str]) -> Optional[DTensorEnv]:
     require(bool(job_name.strip()) and "/" not in job_name,
             f"DTENSOR_JOB_NAME must be a plain name like \"worker\", got {job_name!r}.")
     return DTensorEnv(decimal(client), num_clients, job_name, jobs)
+
+
+def announce_grpc_server(address: str, what: str) -> None:
+    """Says once per process, before TensorFlow starts `what`'s gRPC server, that it will
+    listen on every interface: TensorFlow binds "0.0.0.0:<port>" whatever host TF_CONFIG or
+    DTENSOR_JOBS names (grpc_server_lib.cc; no bind option, no credentials), and whoever
+    reaches the port can run any operation in this process. Silent under `tfdist launch`:
+    in its private network nothing outside the job reaches the port, and under
+    --network=host the launcher has said it once for every worker."""
+    if os.environ.get(NETWORK_ENV) or _servers_announced:
+        return
+    _servers_announced.append(address)
+    host, port = split_address(address)
+    logging.getLogger("tfdist").warning(
+        "%s: TensorFlow's gRPC server of this process will listen on port %d of every "
+        "interface (its address is %s, but TensorFlow binds all of them), and whoever reaches "
+        "that port can run operations in this process: reading and writing files, changing "
+        "the model. Allow the port only from the job's hosts (a firewall rule or a private "
+        "network); on one host, `tfdist launch` runs the workers in a private network.",
+        what, port, address)

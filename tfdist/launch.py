@@ -37,6 +37,14 @@ An mpirun still up 15 s after its last rank ended is hung (Open MPI 5's teardown
 race, see MpirunTeardownGuard): the launcher kills it and exits with the failed
 rank's code from mpirun's report.
 
+Network (--network): on Linux the workers share a private network namespace
+(tfdist.netns): its only interface is a loopback of its own, so TensorFlow's gRPC
+server in each worker (which binds every interface, whatever TF_CONFIG says) and
+tfdist's rings cannot be reached from outside the job, and the workers cannot reach
+other hosts. `--network=host` gives them this host's network; a non-loopback --host
+implies it. Where namespaces are not allowed, the launcher says so and uses the host's.
+Workers see TFDIST_NETWORK=private or host.
+
 Chief: all tasks have type "worker" and worker 0 (TFDIST_RANK=0) is the chief,
 which is TensorFlow's rule for MultiWorkerMirroredStrategy when the cluster has
 no "chief" task; it is the worker that should write checkpoints and summaries.
@@ -82,7 +90,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from tfdist import cluster
+from tfdist import cluster, netns
 from tfdist.parallel import ring_auth
 from tfdist.errors import EXIT_USAGE_ERROR, UsageError, require
 
@@ -101,6 +109,13 @@ CHIEF_RANK = 0               # worker 0 is the chief (see the module docstring)
 SECRET_SHOWN = "<set>"       # --dry_run shows this instead of $TFDIST_JOB_SECRET
 
 _output_lock = threading.Lock()
+PRIVATE, HOST = "private", "host"
+NETWORKS = (PRIVATE, HOST)
+NETWORK_ENV = cluster.NETWORK_ENV   # what the workers read
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 # --------------------------------------------------------------------------- options
@@ -118,6 +133,7 @@ class LaunchOptions:
     grace_period: float = 5.0
     mpi: bool = False
     mpi_args: tuple = ()
+    network: Optional[str] = None   # "private" or "host"; None: private on a loopback --host
 
     def __post_init__(self):
         require(self.workers >= 1, f"--workers must be >= 1, got {self.workers}.")
@@ -132,6 +148,11 @@ class LaunchOptions:
         cluster.split_address(cluster.join_address(self.host, 1), "--host")
         require(self.mpi or not self.mpi_args,
                 f"--mpi_args {' '.join(self.mpi_args)!r} needs --mpi (they are mpirun's options).")
+        require(self.network in (None,) + NETWORKS,
+                f"--network must be one of {', '.join(NETWORKS)}, got {self.network!r}.")
+        require(self.network != PRIVATE or is_loopback(self.host),
+                f"--network=private gives the workers a loopback of their own, where "
+                f"--host={self.host} does not exist. Use --host=127.0.0.1, or --network=host.")
         if self.mpi:
             require(not self.dtensor, "--mpi and --dtensor cannot be combined: DTensor's "
                                       "clients take their addresses from the launcher, MPI's ranks "
@@ -160,6 +181,10 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--host", default="127.0.0.1", help="address the workers listen on (default 127.0.0.1)")
     parser.add_argument("--grace_period", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when ending workers")
+    parser.add_argument("--network", choices=NETWORKS, default=None,
+                        help="private: the workers share a network of their own, loopback only, "
+                             "unreachable from outside the job (default with a loopback --host); "
+                             "host: this host's network")
     parser.add_argument("--mpi", action="store_true",
                         help="start the workers with Open MPI's mpirun (for --collective=mpi)")
     parser.add_argument("--mpi_args", default="",
@@ -171,7 +196,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                          devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
                          dtensor=args.dtensor, dry_run=args.dry_run, start_timeout=args.start_timeout,
                          host=args.host, grace_period=args.grace_period, mpi=args.mpi,
-                         mpi_args=tuple(shlex.split(args.mpi_args)))
+                         mpi_args=tuple(shlex.split(args.mpi_args)), network=args.network)
 
 
 def resolve_command(command: Sequence[str]) -> List[str]:
@@ -647,13 +672,15 @@ def shell_exit_code(code: int) -> int:
 class Worker:
     """One worker process in its own process group, with its output pumped through."""
 
-    def __init__(self, rank: int, command: List[str], env: Dict[str, str], mpirun: bool = False):
+    def __init__(self, rank: int, command: List[str], env: Dict[str, str], mpirun: bool = False,
+                 network=None):
         self.rank = rank
         self.mpirun = mpirun
         self.label = "mpirun" if mpirun else f"worker {rank}"   # for the launcher's messages
         self.exit_code: Optional[int] = None
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+                                        stderr=subprocess.PIPE, start_new_session=True,
+                                        preexec_fn=network.enter if network else None)
         # mpirun tags each rank's lines itself (MpirunOutput).
         prefix = "" if mpirun else f"[worker {rank}] "
         self.mpirun_output = MpirunOutput() if mpirun else None
@@ -779,8 +806,10 @@ class SignalForwarder:
 class WorkerGroup:
     """One attempt: start every worker, watch them, end them all."""
 
-    def __init__(self, options: LaunchOptions, command: List[str], plan: GroupPlan, signals: SignalForwarder):
+    def __init__(self, options: LaunchOptions, command: List[str], plan: GroupPlan, signals: SignalForwarder,
+                 network=None):
         self.options, self.command, self.plan, self.signals = options, command, plan, signals
+        self.network = network   # a netns.PrivateNetwork the workers enter, or None: the host's
         self.workers: List[Worker] = []
         self.failures: List[Worker] = []      # in the order their failure was seen
         self._first_signal = self._forwarded = len(signals.received)   # index of this group's first signal
@@ -799,12 +828,14 @@ class WorkerGroup:
         for rank, extra in enumerate(self.plan.environments):
             env = dict(os.environ, **extra)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            env[NETWORK_ENV] = PRIVATE if self.network else HOST
             command = self.command
             if self.options.mpi:   # MPI forms the cluster: a TF_CONFIG left in our environment must not
                 env.pop("TF_CONFIG", None)
                 command = mpirun_command(self.options, resolve_mpirun(), self.command, env)
             try:
-                self.workers.append(Worker(rank, command, env, mpirun=self.options.mpi))
+                self.workers.append(Worker(rank, command, env, mpirun=self.options.mpi,
+                                           network=self.network))
             except OSError as error:   # e.g. the file vanished or lost its exec bit since resolve_command
                 raise UsageError(f"Cannot start worker command {self.command[0]!r}: "
                                  f"{error.strerror or error}.") from None
@@ -850,9 +881,10 @@ class WorkerGroup:
             time.sleep(POLL_SECONDS)
 
     def _still_closed(self, ranks: Set[int]) -> Set[int]:
+        accepts = self.network.port_accepts if self.network else netns.port_accepts   # from inside
         return {rank for rank in ranks
                 if self.workers[rank].exit_code is None
-                and not any(_port_accepts(self.options.host, port) for port in self.plan.ports[rank])}
+                and not any(accepts(self.options.host, port) for port in self.plan.ports[rank])}
 
     def _start_timeout_outcome(self, ranks: Set[int]) -> Outcome:
         rank = min(ranks)
@@ -893,14 +925,6 @@ class WorkerGroup:
         return Outcome(128 + signum, f"interrupted by {name}")
 
 
-def _port_accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------- the launcher
 
 def run(options: LaunchOptions) -> int:
@@ -911,6 +935,19 @@ def run(options: LaunchOptions) -> int:
     if options.dry_run:
         print_dry_run(options, plan_group(options), sys.stdout)
         return 0
+    network = open_network(options)   # one for the whole launch: restarts keep it
+    try:
+        outcome, interrupted = run_attempts(options, command, network)
+    finally:
+        if network:
+            network.close()
+    if not (outcome.ok or interrupted):
+        log(failure_advice(outcome, options.max_restarts, private=network is not None))
+    return outcome.exit_code
+
+
+def run_attempts(options: LaunchOptions, command: List[str], network) -> Tuple["Outcome", bool]:
+    """The last attempt's outcome, and whether a signal of the user's ended it."""
     used_ports: Set[int] = set()
     secret = job_secret(os.environ)   # one per launch: restarted workers are the same job
     with SignalForwarder() as signals:
@@ -918,21 +955,45 @@ def run(options: LaunchOptions) -> int:
             plan = plan_group(options, attempt, exclude=used_ports,   # fresh ports: old ones may linger
                               secret=secret)
             used_ports |= plan.all_ports
-            outcome = WorkerGroup(options, command, plan, signals).run()
+            outcome = WorkerGroup(options, command, plan, signals, network).run()
             if outcome.ok:
-                return 0
+                return outcome, False
             if signals.received:
                 log(f"{outcome.message}; all workers ended.")
-                return outcome.exit_code
+                return outcome, True
             if attempt == options.max_restarts or outcome.exit_code == EXIT_USAGE_ERROR:
                 break
             log(f"{outcome.message}; ended every worker. "
                 f"restart {attempt + 1}/{options.max_restarts} with fresh ports.")
-    log(failure_advice(outcome, options.max_restarts))
-    return outcome.exit_code
+    return outcome, False
 
 
-def failure_advice(outcome: Outcome, max_restarts: int) -> str:
+EXPOSED = ("TensorFlow's gRPC server in each worker then listens on every interface of this "
+           "host (TensorFlow has no bind address), and whoever reaches its port can run "
+           "operations in the worker: firewall the workers' ports to the job's hosts")
+
+
+def open_network(options: LaunchOptions):
+    """The workers' netns.PrivateNetwork, or None for the host's network; announced once."""
+    wanted = options.network or (PRIVATE if is_loopback(options.host) else HOST)
+    exposed = EXPOSED + (" (and Open MPI's prterun listens on every interface too)"
+                         if options.mpi else "")
+    if wanted == HOST:
+        log(f"workers use this host's network (--network=host or a non-loopback --host); "
+            f"{exposed}.")
+        return None
+    network, why = netns.open_private_network()
+    if network is None:
+        require(options.network != PRIVATE, f"--network=private: {why}.")
+        log(f"workers use this host's network: {why}. {exposed}; or run where network "
+            f"namespaces are allowed.")
+        return None
+    log("workers share a private network, loopback only: nothing outside this job reaches "
+        "their ports, and they cannot reach other hosts (--network=host if they must).")
+    return network
+
+
+def failure_advice(outcome: "Outcome", max_restarts: int, private: bool = False) -> str:
     """The launcher's last line after a failed group. A usage error (exit 2: tfdist's
     entry points and tfdist.Strategy in a launched worker exit so) is a mistake in the
     command or the program, the same at every attempt: restarting cannot help."""
@@ -941,10 +1002,12 @@ def failure_advice(outcome: Outcome, max_restarts: int) -> str:
         return (f"{ended}. Exit status {EXIT_USAGE_ERROR} is a usage error (the worker's "
                 f"message above says what to change): a restart would fail the same way, so "
                 f"none is tried.")
+    offline = (" The workers had a private network: if they failed to reach another host "
+               "(a download), prepare the data first or use --network=host." if private else "")
     if max_restarts:
         return (f"giving up after {max_restarts} restart(s): {outcome.message} "
-                f"(exit status {outcome.exit_code}).")
-    return f"{ended}. Use --max_restarts to restart the group automatically."
+                f"(exit status {outcome.exit_code}).{offline}")
+    return f"{ended}. Use --max_restarts to restart the group automatically.{offline}"
 
 
 def launch(argv: Sequence[str]) -> int:

@@ -81,8 +81,22 @@ def contenders(steps: int, bytes_per_pack: int):
     return runs
 
 
-def compare(steps: int = 300, trials: int = 3, bytes_per_pack: int = 0):
-    runs = contenders(steps, bytes_per_pack)
+def network_contenders(steps: int):
+    """Each collective's 2 workers in `tfdist launch`'s private network and in the host's:
+    the price of the private network namespace (tfdist.netns), if any."""
+    collectives = ["auto", "tcp", "shm"] + (["mpi"] if allreduce.mpi_missing() is None else [])
+    runs = {}
+    for collective in collectives:
+        for network in ("private", "host"):
+            mpi = ["--mpi"] if collective == "mpi" else []
+            runs[f"--collective={collective}, --network={network}"] = (
+                lambda c=collective, n=network, m=mpi: _tfdist_rate(
+                    2, steps, [f"--collective={c}"], [*m, f"--network={n}"]))
+    return runs
+
+
+def compare(steps: int = 300, trials: int = 3, bytes_per_pack: int = 0, networks=False):
+    runs = network_contenders(steps) if networks else contenders(steps, bytes_per_pack)
     rates = {name: [] for name in runs}
     for _ in range(trials):
         for name, run in runs.items():

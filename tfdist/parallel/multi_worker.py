@@ -128,6 +128,8 @@ def build_strategy(config, tf_config: cluster.TFConfig, local_devices):
     # A taken port or a peer that never starts fails here, in Python, with a
     # message; inside TensorFlow either would hang (see tfdist.rendezvous).
     rendezvous.wait_for_peers(tf_config, config.collective_timeout)
+    cluster.announce_grpc_server(tf_config.worker_addresses[tf_config.rank],
+                                 "multi_worker_mirrored")
     gpus = sum(1 for d in local_devices if "gpu" in d)
     with simulated_cpu_replicas(0 if gpus else len(local_devices)):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

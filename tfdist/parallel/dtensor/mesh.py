@@ -9,8 +9,10 @@ life of the process (initialised at most once).
 """
 
 import logging
+import os
 from typing import List, Optional, Tuple
 
+from tfdist import cluster
 from tfdist.errors import UsageError, require
 
 log = logging.getLogger("tfdist")
@@ -94,6 +96,10 @@ def initialize_multi_client(kind: str) -> None:
                 f"DTensor was already initialised for {_initialized[0]} in this process; "
                 f"it cannot be re-initialised for {kind}.")
         return
+    jobs = os.environ.get("DTENSOR_JOBS", "").split(",")
+    client = int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
+    if len(jobs) > 1 and 0 <= client < len(jobs):
+        cluster.announce_grpc_server(jobs[client], "dtensor")
     dtensor.initialize_accelerator_system(kind)
     _initialized.append(kind)
 

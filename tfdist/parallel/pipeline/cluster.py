@@ -178,6 +178,7 @@ def serve(tf_config: cluster.TFConfig, timeout: float, local_devices: int, confi
     with open(config_path(tf_config, tf_config.rank), "w") as f:
         json.dump(described(config), f)   # worker 0 reads it before the first step
     rendezvous.wait_for_peers(tf_config, timeout)
+    cluster.announce_grpc_server(tf_config.worker_addresses[tf_config.rank], "pipeline")
     tf.distribute.Server(tf.train.ClusterSpec(tf_config.cluster), job_name="worker",
                          task_index=tf_config.task_index, protocol="grpc",
                          config=server_config(local_devices), start=True)
@@ -248,6 +249,7 @@ def connect_driver(tf_config: cluster.TFConfig, timeout: float) -> None:
                 f"{_connected[0]}; TensorFlow joins one cluster per process.")
         return
     rendezvous.wait_for_peers(tf_config, timeout)
+    cluster.announce_grpc_server(tf_config.worker_addresses[tf_config.rank], "pipeline")
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(tf_config.cluster), task_type="worker",
         task_id=tf_config.task_index, rpc_layer="grpc")

@@ -1,0 +1,264 @@
+"""A stranger against a running job: every port the job listens on, and whether an op runs through it.
+
+    python -m tfdist.testing.stranger --pid PID --out probe.json --evidence_dir DIR
+    python -m tfdist.testing.stranger --table DIR    # the docs' table from saved records
+
+Watches process PID and its descendants until they have all ended. Each TCP port one of
+them listens on is probed once, as soon as it appears, from this process: an unrelated
+process on the same host, in the host's network. The probe is the attack TensorFlow's
+gRPC server admits: a `tf.compat.v1.Session("grpc://127.0.0.1:PORT")` that runs
+`tf.io.write_file` (unpinned, then on each `/job:worker/replica:0/task:I`). The file is
+the evidence: the probe's op ran if and only if it exists afterwards.
+
+Each record: the listening process, the address it binds, the port, whether its network
+is this process's ("host") or another ("private"), who holds it, and the probe's
+outcome (attributed to the port: a gRPC session opened through the rendezvous's short-
+lived socket reaches the TensorFlow server that takes the same port next): "refused"
+(no connection: nothing listens there in our network), "op ran", or "op failed: ...".
+Linux only: it reads /proc. Used by tests/test_stranger.py, which also writes the
+docs' table from these records.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Dict, List, Optional, Set
+
+LISTEN = "0A"          # /proc/net/tcp's state code for a listening socket
+POLL_SECONDS = 0.1
+CONNECT_SECONDS = 2.0
+OP_TIMEOUT_MS = 4000
+
+
+@dataclasses.dataclass
+class Listener:
+    pid: int
+    process: str
+    address: str
+    port: int
+    network: str            # "host" (this prober's) or "private" (another namespace)
+    what: str = ""          # who holds the socket (see `owner`)
+    interfaces: List[str] = dataclasses.field(default_factory=list)   # in its network
+    probe: str = ""
+
+    @property
+    def key(self):
+        return (self.pid, self.network, self.address, self.port)
+
+
+# --------------------------------------------------------------------------- /proc
+
+def descendants(root: int) -> List[int]:
+    """root and every process below it, alive now."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = _parent_of(int(entry))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if os.path.exists(f"/proc/{pid}"):
+            found.append(pid)
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[1])   # after "(comm) state"
+
+
+def _socket_inodes(pid: int) -> Set[int]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _decode_address(text: str) -> tuple:
+    """/proc/net/tcp's "0100007F:1F90" (little-endian words) -> ("127.0.0.1", 8080)."""
+    hex_address, hex_port = text.split(":")
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0])
+                     for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words), int(hex_port, 16)
+
+
+def network_of(pid: int) -> Optional[str]:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def listeners_of(pid: int) -> List[Listener]:
+    """The TCP sockets process pid listens on (read in its own network namespace)."""
+    inodes = _socket_inodes(pid)
+    namespace = network_of(pid)
+    if not inodes or namespace is None:
+        return []
+    network = "host" if namespace == network_of(os.getpid()) else "private"
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            process = f.read().strip()
+    except OSError:
+        return []
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == LISTEN and int(fields[9]) in inodes:
+                address, port = _decode_address(fields[1])
+                found.append(Listener(pid, process, address, port, network,
+                                      owner(process, address), interfaces_of(pid)))
+    return found
+
+
+def interfaces_of(pid: int) -> List[str]:
+    """The network interfaces of pid's network namespace."""
+    try:
+        with open(f"/proc/{pid}/net/dev") as f:
+            return [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
+    except OSError:
+        return []
+
+
+def owner(process: str, address: str) -> str:
+    """Who listens, from what each binds: Open MPI's runtime is its own process; in a
+    worker, TensorFlow's gRPC server is what binds every interface ("::" dual-stack, or
+    0.0.0.0), while tfdist's ring and rendezvous bind the worker's own address
+    (tcp_ring.listen, rendezvous.wait_for_peers: the rendezvous holds the TF_CONFIG port
+    until TensorFlow's server takes it)."""
+    if process.startswith(("prte", "orte", "mpirun", "prted")):
+        return f"Open MPI runtime ({process})"
+    if address in ("::", "0.0.0.0"):
+        return "TensorFlow gRPC server"
+    return "tfdist ring or rendezvous"
+
+
+# --------------------------------------------------------------------------- the probe
+
+def try_op(port: int, evidence: str, tasks: int) -> str:
+    """Connects to 127.0.0.1:port from here; if it answers, runs the write through TF."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS).close()
+    except OSError:
+        return "refused"
+    import tensorflow as tf
+    errors = []
+    for device in [None] + [f"/job:worker/replica:0/task:{i}" for i in range(tasks)]:
+        graph = tf.Graph()
+        with graph.as_default():
+            with tf.device(device):
+                write = tf.io.write_file(evidence, "written by a stranger")
+        config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=OP_TIMEOUT_MS)
+        try:
+            with tf.compat.v1.Session(f"grpc://127.0.0.1:{port}", graph=graph,
+                                      config=config) as session:
+                session.run(write)
+        except Exception as error:   # any failure means: not through this door
+            errors.append(f"{device or 'unpinned'}: {type(error).__name__}")
+            continue
+        if os.path.exists(evidence):
+            return "op ran"
+    return "op failed: " + "; ".join(errors)
+
+
+def watch(root: int, evidence_dir: str, tasks: int, deadline: float) -> List[Listener]:
+    """Probes every socket root's processes listen on, once each, as it appears (each in a
+    thread of its own: a slow door must not hide the next), until they have all ended."""
+    import threading
+    seen: Dict[tuple, Listener] = {}
+    probes = []
+
+    def probe(listener):
+        evidence = os.path.join(evidence_dir, f"port{listener.port}.txt")
+        listener.probe = try_op(listener.port, evidence, tasks)
+
+    while os.path.exists(f"/proc/{root}") and time.monotonic() < deadline:
+        for pid in descendants(root):
+            for listener in listeners_of(pid):
+                if listener.key not in seen:
+                    seen[listener.key] = listener
+                    probes.append(threading.Thread(target=probe, args=(listener,), daemon=True))
+                    probes[-1].start()
+        time.sleep(POLL_SECONDS)
+    for thread in probes:
+        thread.join(max(deadline - time.monotonic(), 1.0))
+    return list(seen.values())
+
+
+def table(records_dir: str) -> str:
+    """The docs' table from the records tests/test_stranger.py saved (one JSON file per
+    mode, spaces written as "+"), in markdown; identical sockets of several workers are
+    one row with their count."""
+    lines = ["| mode | port held by | binds | its network's interfaces | the probe's op | sockets |",
+             "|---|---|---|---|---|---|"]
+    for name in sorted(os.listdir(records_dir)):
+        with open(os.path.join(records_dir, name)) as f:
+            records = json.load(f)
+        mode = name[:-len(".json")].replace("+", " ")
+        if not records:
+            lines.append(f"| {mode} | (nothing listens) | | | | 0 |")
+        rows: Dict[tuple, int] = {}
+        for r in records:
+            where = "private" if r["network"] == "private" else "this host's"
+            row = (r["what"], r["address"], f"{where}: {', '.join(r['interfaces'])}",
+                   r["probe"].split(":")[0])
+            rows[row] = rows.get(row, 0) + 1
+        for row, count in sorted(rows.items()):
+            lines.append(f"| {mode} | {' | '.join(row)} | {count} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", metavar="DIR", help="print the markdown table of the "
+                        "records saved in DIR, and nothing else")
+    parser.add_argument("--pid", type=int, help="the job's first process")
+    parser.add_argument("--out", help="JSON records written here")
+    parser.add_argument("--evidence_dir", help="where the probe's op would write its file")
+    parser.add_argument("--tasks", type=int, default=2, help="TF tasks to try pinning to")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    if not (args.pid and args.out and args.evidence_dir):
+        parser.error("--pid, --out and --evidence_dir are required to watch a job")
+    import tensorflow  # noqa: F401  (imported before the job's ports open: probe at once)
+    records = watch(args.pid, args.evidence_dir, args.tasks,
+                    time.monotonic() + args.timeout)
+    with open(args.out, "w") as f:
+        json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

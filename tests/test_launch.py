@@ -577,6 +577,22 @@ def test_where_namespaces_are_not_allowed_the_launcher_says_so_and_uses_the_host
         refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")
+def test_start_timeout_sees_ports_opened_inside_the_private_network(tmp_path):
+    """The launcher's port probes are made from inside the workers' network (by the
+    holder process): ports opened there count, though this host cannot reach them."""
+    worker = script(tmp_path, """
+        import json, os, socket, time
+        config = json.loads(os.environ["TF_CONFIG"])
+        own = config["cluster"]["worker"][config["task"]["index"]]
+        server = socket.create_server(("127.0.0.1", int(own.rsplit(":", 1)[1])))
+        time.sleep(4)
+        """)
+    result = launch("--workers", "2", "--start_timeout", "2", "--", sys.executable, worker)
+    assert result.returncode == 0, result.stderr
+    assert "workers share a private network" in result.stderr
+
+
 def test_a_private_network_cannot_hold_a_host_address():
     with pytest.raises(UsageError, match="--network=private gives the workers a loopback"):
         launch_module.parse_args(["--workers", "2", "--network=private", "--host=10.0.0.5",

@@ -143,8 +143,8 @@ class PrivateNetwork:
     def _stderr_tail(self) -> str:
         if self.holder.poll() is None:
             return "the holder process did not answer"
-        return (self.holder.stderr.read() or "").strip().splitlines()[-1:][0] \
-            if self.holder.stderr else "no output"
+        lines = (self.holder.stderr.read() or "").strip().splitlines()
+        return lines[-1] if lines else f"the holder exited with code {self.holder.returncode}"
 
     @property
     def fds(self) -> tuple:

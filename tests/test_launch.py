@@ -597,3 +597,20 @@ def test_a_private_network_cannot_hold_a_host_address():
     with pytest.raises(UsageError, match="--network=private gives the workers a loopback"):
         launch_module.parse_args(["--workers", "2", "--network=private", "--host=10.0.0.5",
                                   "--", "true"])
+
+
+def test_mpi_over_tcp_in_the_private_network_uses_its_loopback():
+    """Open MPI's TCP transport leaves loopback out by default, and in the private network
+    loopback is the only interface: `--mca btl tcp,self` there gets btl_tcp_if_include=lo
+    (tests/test_mpi.py's tcp cases run it for real), unless the user chose interfaces."""
+    def flags(mpi_args, private):
+        options = launch_module.LaunchOptions(workers=2, command=("true",), mpi=True,
+                                              mpi_args=tuple(mpi_args.split()))
+        return launch_module.mpirun_command(options, "mpirun", ["true"], {}, private=private)
+
+    tcp = "--mca btl tcp,self"
+    assert "btl_tcp_if_include" in flags(tcp, private=True)
+    assert "btl_tcp_if_include" not in flags(tcp, private=False)
+    assert flags(tcp + " --mca btl_tcp_if_include eth0", private=True).count(
+        "btl_tcp_if_include") == 1
+    assert "btl_tcp_if_include" not in flags("", private=True)   # shared memory: no TCP

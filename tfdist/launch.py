@@ -350,13 +350,17 @@ def resolve_mpirun() -> str:
 
 
 def mpirun_command(options: LaunchOptions, mpirun: str, command: List[str],
-                   env: Mapping[str, str]) -> List[str]:
+                   env: Mapping[str, str], private: bool = False) -> List[str]:
     n = options.workers
     flags = ["-np", str(n), "--output", "tag", "--bind-to", "none"]
     if not any(a == "btl" or a.startswith("btl_") for a in options.mpi_args):
         # This launcher starts workers on this host only: shared memory, and no rank
         # listens on a socket (Open MPI's TCP transport would bind every interface).
         flags += ["--mca", "btl", "self,sm"]
+    elif private and not any(a.startswith("btl_tcp_if_") for a in options.mpi_args):
+        # TCP asked for (e.g. "--mca btl tcp,self"): in the private network loopback is the
+        # only interface, and Open MPI's TCP transport leaves loopback out unless told.
+        flags += ["--mca", "btl_tcp_if_include", "lo"]
     if n > (os.cpu_count() or 1):
         flags.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -832,7 +836,8 @@ class WorkerGroup:
             command = self.command
             if self.options.mpi:   # MPI forms the cluster: a TF_CONFIG left in our environment must not
                 env.pop("TF_CONFIG", None)
-                command = mpirun_command(self.options, resolve_mpirun(), self.command, env)
+                command = mpirun_command(self.options, resolve_mpirun(), self.command, env,
+                                         private=self.network is not None)
             try:
                 self.workers.append(Worker(rank, command, env, mpirun=self.options.mpi,
                                            network=self.network))

@@ -28,7 +28,7 @@ Why a swap of public TF functions: Keras' TensorFlow backend calls
 (keras/src/backend/tensorflow/nn.py), and tf.RegisterGradient cannot replace a
 registered gradient. The swap lasts only while the step's Python body runs (its
 trace), in this thread's call. Canary: tests/test_dtensor_auto_layout.py::
-test_keras_calls_the_swapped_depthwise_functions.
+test_keras_calls_the_rewritten_functions.
 Only channels_last (NHWC) with "SAME"/"VALID" padding is rewritten (what Keras uses
 on CPU and by default); layout_check refuses the rest before any trace.
 
@@ -47,8 +47,9 @@ and reductions, softmax and logsumexp over a split axis are right in float64 too
 (tests/test_dtensor_auto_layout.py::test_dtensor_float64_sparse_cross_entropy_canary).
 Keras calls it for SparseCategoricalCrossentropy with or without logits, so a float64
 model whose last Dense was split trained on a loss of 0.0. For float64 logits it is
-rewritten as log-sum-exp minus the label's logit (a one-hot product), with the
-native op's gradient (softmax minus one-hot); other dtypes keep the native op.
+rewritten as log-sum-exp minus the label's logit (a product with a one-hot made by a
+comparison: tf.one_hot's DTensor expansion fails on split classes too), with the native
+op's gradient (softmax minus one-hot); other dtypes keep the native op.
 """
 
 import contextlib
@@ -58,23 +59,18 @@ import tensorflow as tf
 
 _lock = threading.RLock()
 _depth = [0]   # nested entries (a step traced inside another's trace) swap once
-_native_depthwise = tf.nn.depthwise_conv2d
-_native_separable = tf.nn.separable_conv2d
-_native_avg_pool = tf.nn.avg_pool
-_native_sparse_cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits
-
-
-def _rewritten() -> dict:
-    """{tf.nn attribute: its DTensor-runnable rewrite}; the natives are kept above."""
-    return {"depthwise_conv2d": depthwise_conv2d, "separable_conv2d": separable_conv2d,
-            "avg_pool": avg_pool,
-            "sparse_softmax_cross_entropy_with_logits": sparse_softmax_cross_entropy_with_logits}
+# The tf.nn functions rewritten (the registry), each kept here as TensorFlow's own.
+REWRITTEN = ("depthwise_conv2d", "separable_conv2d", "avg_pool",
+             "sparse_softmax_cross_entropy_with_logits")
+_NATIVE = {name: getattr(tf.nn, name) for name in REWRITTEN}
+_native_depthwise = _NATIVE["depthwise_conv2d"]
+_native_separable = _NATIVE["separable_conv2d"]
+_native_avg_pool = _NATIVE["avg_pool"]
+_native_sparse_cross_entropy = _NATIVE["sparse_softmax_cross_entropy_with_logits"]
 
 
 def native(name):
-    return {"depthwise_conv2d": _native_depthwise, "separable_conv2d": _native_separable,
-            "avg_pool": _native_avg_pool,
-            "sparse_softmax_cross_entropy_with_logits": _native_sparse_cross_entropy}[name]
+    return _NATIVE[name]
 
 
 @contextlib.contextmanager
@@ -82,15 +78,15 @@ def dtensor_runnable_ops():
     """tf.nn's functions above replaced by their rewrites, inside (a DTensor step's trace)."""
     with _lock:
         _depth[0] += 1
-        for name, rewrite in _rewritten().items():
-            setattr(tf.nn, name, rewrite)
+        for name in REWRITTEN:
+            setattr(tf.nn, name, globals()[name])   # this module's function of that name
         try:
             yield
         finally:
             _depth[0] -= 1
             if not _depth[0]:
-                for name in _rewritten():
-                    setattr(tf.nn, name, native(name))
+                for name in REWRITTEN:
+                    setattr(tf.nn, name, _NATIVE[name])
 
 
 def rewritable(data_format, padding) -> bool:

@@ -146,14 +146,11 @@ class PrivateNetwork:
         lines = (self.holder.stderr.read() or "").strip().splitlines()
         return lines[-1] if lines else f"the holder exited with code {self.holder.returncode}"
 
-    @property
-    def fds(self) -> tuple:
-        return tuple(fd for fd in (self.user_fd, self.net_fd) if fd is not None)
-
     def enter(self) -> None:
         """Popen preexec_fn: this child joins the namespaces (user first: it grants the
-        capability the network namespace asks for). Only setns calls: no Python import,
-        lock or allocation a thread of the launcher could have held at fork."""
+        capability the network namespace asks for). Only setns, through a function resolved
+        before any fork: no import or lock a thread of the launcher could hold at fork.
+        A failed setns ends the child with 126 before it runs anything."""
         if self.user_fd is not None and self._setns(self.user_fd, CLONE_NEWUSER) != 0:
             os._exit(126)
         if self._setns(self.net_fd, CLONE_NEWNET) != 0:

@@ -66,6 +66,17 @@ def transformer():
     return model
 
 
+def with_dense_head(inputs, x):
+    """The convnets' shared ending: Dense-relu (fc) then Dense logits (head), the pair
+    layout="auto" shards, compiled with Adam on integer labels."""
+    import keras
+    x = keras.layers.Dense(16, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(x))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def convnet():
     """keras-io's MNIST convnet shape, with BatchNormalization and a Dense-relu-Dense head.
     conv1 has no bias: BatchNormalization subtracts it, so its gradient is rounding noise
@@ -79,11 +90,7 @@ def convnet():
     x = layers.Conv2D(8, 3, padding="same", name="conv2")(x)
     x = layers.MaxPooling2D()(x)
     x = layers.Flatten()(x)
-    x = layers.Dense(16, activation="relu", name="fc")(x)
-    model = keras.Model(inputs, layers.Dense(CLASSES, name="head")(x))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return with_dense_head(inputs, x)
 
 
 def mobile_convnet():
@@ -99,11 +106,7 @@ def mobile_convnet():
     x = layers.ReLU(6.0)(x)
     x = layers.SeparableConv2D(8, 3, dilation_rate=1, name="separable")(x)
     x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dense(16, activation="relu", name="fc")(x)
-    model = keras.Model(inputs, layers.Dense(CLASSES, name="head")(x))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return with_dense_head(inputs, x)
 
 
 def timeseries_classifier():
@@ -139,11 +142,7 @@ def preprocessed_convnet():
     x = layers.Reshape((16, 8))(x)
     x = layers.AveragePooling1D(3, strides=2, padding="same", name="pool_1d")(x)
     x = layers.Flatten()(x)
-    x = layers.Dense(16, activation="relu", name="fc")(x)
-    model = keras.Model(inputs, layers.Dense(CLASSES, name="head")(x))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return with_dense_head(inputs, x)
 
 
 def arrays(build):

@@ -96,10 +96,9 @@ def initialize_multi_client(kind: str) -> None:
                 f"DTensor was already initialised for {_initialized[0]} in this process; "
                 f"it cannot be re-initialised for {kind}.")
         return
-    jobs = os.environ.get("DTENSOR_JOBS", "").split(",")
-    client = int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
-    if len(jobs) > 1 and 0 <= client < len(jobs):
-        cluster.announce_grpc_server(jobs[client], "dtensor")
+    clients = cluster.validate_dtensor_env(os.environ)
+    if clients is not None and clients.num_clients > 1:
+        cluster.announce_grpc_server(clients.jobs[clients.client_id], "dtensor")
     dtensor.initialize_accelerator_system(kind)
     _initialized.append(kind)
 

@@ -30,7 +30,7 @@ test_keras_variable_storage_canary fails if Keras stops routing reads and
 assigns through it.
 """
 
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -112,7 +112,7 @@ def shard_model(model, specs: Mapping[str, Sequence[str]], mesh) -> Dict[str, dt
     return layouts
 
 
-def replicate_layer_constants(model, mesh) -> List[str]:
+def replicate_layer_constants(model, mesh) -> None:
     """Copies the plain tensors layers keep as attributes onto the mesh, replicated.
 
     Keras' Normalization keeps its mean and variance as eager tensors, not
@@ -121,21 +121,18 @@ def replicate_layer_constants(model, mesh) -> List[str]:
     inputs, and DTensor (TF 2.21) accepts only scalars and small integer tensors as
     regular inputs: every such model failed at its first step with "got a regular
     tensor for input N ... but was expecting a DTensor", even fully replicated.
-    Replicated, they are the same values on every device. Returns the attributes
-    replaced, as "layer_name.attribute"."""
-    replaced = []
+    Replicated, they are the same values on every device."""
     for layer in keras_fixes.all_layers(model):
         for name, value in list(vars(layer).items()):
             if _plain_eager_tensor(value):
                 layout = dtensor.Layout.replicated(mesh, value.shape.rank)
                 setattr(layer, name, dtensor.copy_to_mesh(value, layout))
-                replaced.append(f"{layer.name}.{name}")
-    return replaced
 
 
 def _plain_eager_tensor(value) -> bool:
+    # Scalars are left alone: DTensor broadcasts those itself.
     return (isinstance(value, tf.Tensor) and not isinstance(value, tf.Variable)
-            and hasattr(value, "numpy") and value.shape.rank and value.shape.rank > 0
+            and hasattr(value, "numpy") and (value.shape.rank or 0) > 0
             and not dtensor.is_dtensor(value))
 
 

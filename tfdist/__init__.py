@@ -14,12 +14,14 @@ A registry model from a config (what `python -m experiments.train` runs):
     results = tfdist.run(tfdist.RunConfig(strategy="mirrored", simulate_devices=2))
 
 Importing tfdist is cheap; TensorFlow is imported when a run starts. Imported before
-Keras, tfdist defers the Keras modules training never uses (tfdist.lazy_keras).
+Keras, tfdist defers the Keras modules training never uses (tfdist.lazy_keras) and filters
+TensorFlow's C++ start-up lines out of stderr (tfdist.quiet; TFDIST_TF_LOGS=1 shows them).
 """
 
-from tfdist import lazy_keras
+from tfdist import lazy_keras, quiet
 
 lazy_keras.defer_unused_keras_modules()
+quiet.filter_tensorflow_startup()
 
 from tfdist.config import DataConfig, ModelConfig, RunConfig
 from tfdist.errors import UsageError

@@ -12,7 +12,7 @@ Suites:
              shared-memory shm, and MPI_Allreduce (--collective=mpi, under
              `tfdist launch --mpi`) over Open MPI's shared memory (mpi) and TCP
              only (mpi_tcp); the mpi ones are skipped where MPI is not installed.
-  throughput 2 workers (TF's collectives, --collective=tcp, =shm and =mpi) vs 1
+  throughput 2 workers (no --collective flag: the fastest, chosen; TF's auto, tcp, shm, mpi) vs 1
              worker, one thread each, on a compute-bound MLP, and PyTorch DDP gloo
              when torch is installed.
   network    the throughput suite's 2 workers per collective (auto, tcp, shm, mpi), in

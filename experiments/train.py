@@ -34,8 +34,10 @@ flags.DEFINE_integer("num_gpus", cfg.AUTO, "GPUs to use (-1: all visible).")
 flags.DEFINE_string("cross_device_ops", "auto",
                     "mirrored all-reduce: auto, nccl, hierarchical_copy, reduction_to_one_device.")
 flags.DEFINE_integer("num_packs", 1, "Gradient packs for nccl / hierarchical_copy.")
-flags.DEFINE_string("collective", "auto", "multi_worker_mirrored all-reduce: auto, ring, nccl (TF's), "
-                    "tcp (tfdist's ring over sockets; CPU workers), shm (tfdist's, through "
+flags.DEFINE_string("collective", "fastest", "multi_worker_mirrored all-reduce: fastest (tfdist "
+                    "picks the fastest exact one for the layout and logs why: shm for one-device "
+                    "CPU workers on one host, mpi under an MPI launch, nccl on GPUs, else auto), "
+                    "auto, ring, nccl (TF's), tcp (tfdist's ring over sockets; CPU workers), shm (tfdist's, through "
                     "shared memory; CPU workers on one host), or mpi (MPI_Allreduce through "
                     "mpi4py; start the workers with mpirun, srun --mpi=pmix or tfdist launch --mpi).")
 flags.DEFINE_integer("bytes_per_pack", 0, "multi_worker_mirrored gradient pack size (0: TF's choice).")

@@ -21,7 +21,7 @@ KERAS_OPTIMIZERS = ("adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw
 TRAINING_OPTIMIZERS = tuple(sorted(set(KERAS_OPTIMIZERS) | {"momentum"}))
 MIXED_PRECISION = ("mixed_bfloat16", "mixed_float16")
 CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
-COLLECTIVES = ("auto", "ring", "nccl", "tcp", "shm", "mpi")
+COLLECTIVES = ("fastest", "auto", "ring", "nccl", "tcp", "shm", "mpi")
 SHARDING = ("auto", "file", "data")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED = "interleaved_1f1b"   # the one schedule with --virtual_stages
@@ -97,7 +97,7 @@ class RunConfig:
     num_gpus: int = AUTO              # -1: all visible GPUs
     cross_device_ops: str = "auto"
     num_packs: int = 1
-    collective: str = "auto"          # multi_worker_mirrored all-reduce implementation
+    collective: str = "fastest"       # multi_worker_mirrored all-reduce; fastest: tfdist picks
     bytes_per_pack: int = 0           # 0: TF decides how to pack gradients
     collective_timeout: int = 300     # seconds: joining peers, collectives, dead-peer detection
     mesh: Optional[str] = None        # dtensor: "batch=2,model=2"; None: all devices on batch

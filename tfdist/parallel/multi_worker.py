@@ -15,11 +15,15 @@ tf.distribute.MultiWorkerMirroredStrategy. What this module adds:
   sums them through shared memory when every worker is on this host (shm_ring.py);
   --collective=mpi sums them with MPI_Allreduce, and forms the cluster from the
   MPI world that mpirun or srun started (mpi.py);
+- --collective=fastest, the default, picks the fastest exact one for the layout it
+  runs on (choose_collective) and logs which and why;
 - Keras `fit` is repaired for this strategy (keras_fit_fix).
 TensorFlow allows one such strategy per process, so it is built once and reused.
 """
 
 import contextlib
+import dataclasses
+import importlib.util
 import logging
 import os
 import re
@@ -228,7 +232,8 @@ class MultiWorkerParallelism(StrategyParallelism):
                                            on_outputs)
         # Shared memory is mapped while the step is traced (when the summed buffer's
         # shapes, sparse gradients' included, are known), before anything runs.
-        on_trace = (self._map_shared_memory
+        # Plain Python, not converted: autograph would try (and warn about) os.path.isdir.
+        on_trace = (tf.autograph.experimental.do_not_convert(self._map_shared_memory)
                     if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce) else None)
         replica_step = ring_replica_step(self.reducer, model, optimizer, jit_compile,
                                          self.tf_config.rank, self.tf_config.num_workers,
@@ -347,7 +352,55 @@ class MultiWorkerParallelism(StrategyParallelism):
             f"workers' logs; `tfdist launch --max_restarts R` restarts the group.")
 
 
+FASTEST = "fastest"
+
+
+def choose_collective(config):
+    """config with --collective=fastest replaced by the fastest exact collective for the
+    layout this worker runs on (logged with the reason); any other value as it is.
+
+    The rule, from what the planner measured (tfdist.plan.collectives.THROUGHPUT): GPUs
+    sum over NCCL; tfdist's own all-reduces (2.1x TF's on one host) serve one CPU device
+    per worker in tfdist's loop without float16 loss scaling (check_tcp_ring_config), as
+    `mpi` when an MPI launcher started the workers, as the fastest of tcp and shm when
+    every worker is on this host; everything else keeps TensorFlow's own (auto), as do
+    workers on several hosts, where tfdist's tcp ring needs $TFDIST_JOB_SECRET."""
+    if config.collective != FASTEST:
+        return config
+    chosen, why = _fastest_collective(config)
+    log.info("collective %s: %s (--collective=NAME picks another; auto is TensorFlow's own)",
+             chosen, why)
+    return dataclasses.replace(config, collective=chosen)
+
+
+def _fastest_collective(config):
+    from tfdist.plan import collectives as measured
+    if config.simulate_devices <= 0 and config.num_gpus != 0 and devices.physical_gpus():
+        return "nccl", "GPU workers"
+    if config.simulate_devices > 1:
+        return "auto", (f"{config.simulate_devices} devices per worker: tfdist's all-reduces "
+                        f"sum one device per worker")
+    if config.trainer != "loop":
+        return "auto", f"--trainer={config.trainer}: tfdist's all-reduces serve its own loop"
+    if config.mixed_precision == "mixed_float16":
+        return "auto", "mixed_float16: its loss scale checks gradients before they are summed"
+    launcher = mpi.launcher_of(os.environ)
+    if launcher is not None:
+        if importlib.util.find_spec("mpi4py") is None:
+            return "auto", f"started by {launcher}, but mpi4py is not installed"
+        return "mpi", f"started by {launcher}: MPI_Allreduce over its transport"
+    hosts = [cluster.split_address(a)[0] for a in cluster_from_environment().worker_addresses]
+    if not all(cluster.is_local_host(h) for h in hosts):
+        return "auto", ("workers on several hosts (tfdist's --collective=tcp crosses hosts "
+                        "with $TFDIST_JOB_SECRET set on every worker)")
+    best = measured.fastest(RING_COLLECTIVES)
+    return best, (f"CPU workers on this host, one device each: {best} trained "
+                  f"{measured.THROUGHPUT[best] / measured.THROUGHPUT['auto']:.1f}x TensorFlow's "
+                  f"own in the throughput benchmark")
+
+
 def build_multi_worker(config) -> MultiWorkerParallelism:
+    config = choose_collective(config)
     # Before TF's devices: MPI's launch decides the cluster (and a bad launch is a usage error).
     world = join_mpi_world(config) if config.collective == "mpi" else None
     tf_config = world.tf_config if world else cluster_from_environment()

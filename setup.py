@@ -39,7 +39,9 @@ setup(
                  "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
                  # tests/test_dtensor_keras_hub.py: a third-party model (Gemma, Llama);
                  # pinned so pip never moves TensorFlow or Keras for it
-                 "keras-hub>=0.32,<0.33", "tensorflow-text>=2.21,<2.22"],
+                 "keras-hub>=0.32,<0.33", "tensorflow-text>=2.21,<2.22",
+                 # tests/test_docs_site.py builds the docs site (mkdocs.yml, docs/)
+                 "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
 )

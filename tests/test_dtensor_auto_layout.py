@@ -39,8 +39,9 @@ pytestmark = pytest.mark.dtensor
 MESH = "batch=2,model=2"
 STEPS, BATCH = 8, 8
 SEQ, VOCAB, CLASSES = 8, 32, 4
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-README_HEADING = "### Tensor parallelism without a hand-written layout"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS_PAGE = REPO_ROOT / "docs" / "tensor-parallel.md"
+DOCS_HEADING = "## Tensor parallelism without a hand-written layout"
 TF_ERROR_TEXT = ("tensorflow/", "SPMD", "{0}", "Filter for convolution", "channel dimension must",
                  "Traceback", "mlir")
 
@@ -495,15 +496,15 @@ def test_keras_graph_api_canary():
 # ------------------------------------------------------------------------- docs and CLI
 
 def readme_example() -> str:
-    text = README.read_text()
-    section = text.split(README_HEADING, 1)[1]
+    text = DOCS_PAGE.read_text()
+    section = text.split(DOCS_HEADING, 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_readme_example_runs_as_written(caplog):
     namespace = {}
     with caplog.at_level(logging.INFO, logger="tfdist"):
-        exec(compile(readme_example(), str(README), "exec"), namespace)  # noqa: S102
+        exec(compile(readme_example(), str(DOCS_PAGE), "exec"), namespace)  # noqa: S102
     namespace["strategy"].close()
     assert "layout=auto on mesh batch=2,model=2" in caplog.text
     kernels = {v.path: split_axes(v) for v in namespace["model"].variables
@@ -517,7 +518,7 @@ def test_cli_layout_auto_prints_its_table(tmp_path):
         [sys.executable, "-m", "experiments.train", "--strategy=dtensor", "--simulate_devices=4",
          "--mesh=batch=2,model=2", "--layout=auto", "--model=mlp", "--dataset=synthetic",
          "--train_steps=1", "--global_batch_size=8", f"--results_json={tmp_path}/r.json"],
-        cwd=README.parent, capture_output=True, text=True, timeout=300)
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stdout + done.stderr
     assert "layout=auto on mesh batch=2,model=2" in log, log[-3000:]

@@ -244,10 +244,10 @@ def test_position_rows_are_summed_under_jit_compile_too():
 
 
 def test_plain_keras_under_mirrored_strategy_has_the_defect_tfdist_fixes():
-    """Upstream's figure for the docs (README, "The guarantee on the models you bring"):
+    """Upstream's figure for the docs (docs/equivalence.md, "The guarantee on the models you bring"):
     Keras 3.15's own fit under tf.distribute.MirroredStrategy on 2 devices concatenates
     the position table's rows, so Adam's update is not one device's. If this starts
-    failing, upstream changed: update the README's figure."""
+    failing, upstream changed: update the figure in docs/equivalence.md."""
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "tests/workers/plain_keras_mirrored.py",
                              "text:adam"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -260,18 +260,18 @@ def test_plain_keras_under_mirrored_strategy_has_the_defect_tfdist_fixes():
     assert max(figures["embedding_errors"].values()) > 1e-3
 
 
-README_HEADING = "### The guarantee on the models you bring"
+DOCS_HEADING = "## The guarantee on the models you bring"   # docs/equivalence.md
 
 
 def test_the_readme_example_runs_as_written(caplog):
     import pathlib
     import re
-    text = (pathlib.Path(REPO) / "README.md").read_text()
-    section = text.split(README_HEADING, 1)[1].split("\n#", 1)[0]
+    text = (pathlib.Path(REPO) / "docs" / "equivalence.md").read_text()
+    section = text.split(DOCS_HEADING, 1)[1].split("\n#", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 1
     with caplog.at_level(logging.INFO, logger="tfdist"):
         namespace = {}
-        exec(compile(blocks[0], "README.md", "exec"), namespace)
+        exec(compile(blocks[0], "docs/equivalence.md", "exec"), namespace)
     assert "normalise by the global batch's statistics" in caplog.text
     assert namespace["strategy"].last_result.losses

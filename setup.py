@@ -37,6 +37,7 @@ setup(
                  "hypothesis>=6.100,<7",   # tests/test_input_fuzzing.py
                  # tests/test_notebooks.py runs colab/*.ipynb headless
                  "nbclient>=0.10,<1", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
+                 "jupytext>=1.16,<2",  # colab/*.py are the notebooks' sources
                  # tests/test_dtensor_keras_hub.py: a third-party model (Gemma, Llama);
                  # pinned so pip never moves TensorFlow or Keras for it
                  "keras-hub>=0.32,<0.33", "tensorflow-text>=2.21,<2.22",

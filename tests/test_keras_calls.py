@@ -464,9 +464,9 @@ def test_a_loaded_model_evaluates_and_predicts_under_keras_distribution(kind, tm
 def test_canary_a_loaded_model_is_compiled_with_the_routes_installed(tmp_path):
     """Keras' compile_from_config skips compiling a loaded model whose class's compile
     is not Trainer.compile: the routes wrap compile where Trainer defines it."""
-    from tfdist import keras_distribution
-    keras_distribution.install_routes()
-    assert keras.Model.compile.__wrapped__ is keras_distribution.keras_own("compile")
+    from tfdist import keras_calls
+    keras_calls.install()
+    assert keras.Model.compile.__wrapped__ is keras_calls.keras_own("compile")
     model = classifier()
     model.save(str(tmp_path / "m.keras"))
     loaded = keras.saving.load_model(str(tmp_path / "m.keras"))

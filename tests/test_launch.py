@@ -22,6 +22,7 @@ import pytest
 
 from tfdist import cli, cluster
 from tfdist import launch as launch_module
+from tfdist.launch import mpirun as launch_mpirun
 from tfdist.errors import UsageError
 
 pytestmark = pytest.mark.slow
@@ -606,7 +607,7 @@ def test_mpi_over_tcp_in_the_private_network_uses_its_loopback():
     def flags(mpi_args, private):
         options = launch_module.LaunchOptions(workers=2, command=("true",), mpi=True,
                                               mpi_args=tuple(mpi_args.split()))
-        return launch_module.mpirun_command(options, "mpirun", ["true"], {}, private=private)
+        return launch_mpirun.mpirun_command(options, "mpirun", ["true"], {}, private=private)
 
     tcp = "--mca btl tcp,self"
     assert "btl_tcp_if_include" in flags(tcp, private=True)

@@ -229,7 +229,7 @@ def test_launch_without_mpirun_says_what_to_install(tmp_path):
 def test_mpirun_report_of_the_failed_rank_is_read_across_chunks():
     """mpirun's report as it printed it here (Open MPI 5.0.11), split between two reads, as the
     pump may see it: the rank and its code are kept, and the text passes through unchanged."""
-    from tfdist.launch import MpirunOutput
+    from tfdist.launch.mpirun import MpirunOutput
     report = ("prterun detected that one or more processes exited with non-zero status,\n"
               "thus causing the job to be terminated. The first process to do so was:\n\n"
               "   Process name: [prterun-vm-11824@1,1]\n   Exit code:    7\n")

@@ -25,7 +25,7 @@ from helpers import REPO
 from test_mpi import mpi_unavailable
 from test_multi_worker_failures import wait_for_text
 from test_restart import checkpoint_tensors
-from tfdist import launch as launch_lib
+from tfdist.launch import mpirun as launch_mpirun
 from tfdist.errors import EXIT_CLUSTER_ERROR, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.skipif(mpi_unavailable() is not None, reason=str(mpi_unavailable()))
@@ -59,7 +59,7 @@ def mpi_rank_pids(launcher_pid):
                               text=True).stdout.split()
     found = {}
     for child in children:
-        for pid in launch_lib.session_members(int(child)) or []:
+        for pid in launch_mpirun.session_members(int(child)) or []:
             try:
                 environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             except OSError:

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfdist import user_code
 from tfdist.config import DataConfig
+from tfdist import data as tfdist_data
 from tfdist.data import get_source, user
 from tfdist.errors import UsageError
 
@@ -198,12 +199,12 @@ DATASETS = """
 
 def test_load_user_datasets_validates_and_returns_datasets(write_module):
     module = write_module(DATASETS)
-    train, test = user_code.load_user_datasets(f"{module}:arrays")
+    train, test = user.load_user_datasets(f"{module}:arrays")
     assert int(train.cardinality()) == int(test.cardinality()) == 6
     x, y, w = next(iter(train))
     assert (x["a"].dtype, x["b"].dtype, y.dtype, w.dtype) == (
         tf.float32, tf.int64, tf.float32, tf.float32)
-    train, test = user_code.load_user_datasets(f"{module}:datasets_without_test")
+    train, test = user.load_user_datasets(f"{module}:datasets_without_test")
     assert test is None and int(train.cardinality()) == 5
 
 
@@ -216,7 +217,7 @@ def test_load_user_datasets_validates_and_returns_datasets(write_module):
 ])
 def test_bad_datasets_from_user_code_are_refused(write_module, function, fragments):
     module = write_module(DATASETS)
-    refused(lambda: user_code.load_user_datasets(f"{module}:{function}"), *fragments)
+    refused(lambda: user.load_user_datasets(f"{module}:{function}"), *fragments)
 
 
 def test_a_dataset_config_names_user_code_and_get_source_loads_it(write_module):
@@ -226,7 +227,7 @@ def test_a_dataset_config_names_user_code_and_get_source_loads_it(write_module):
     assert isinstance(source, user.UserSource)
     assert source.info.name == f"{module}:arrays"
     assert (source.info.size("train"), source.info.size("test")) == (6, 6)
-    fns = user.as_dataset_fns(f"{module}:arrays", 4, 1)
+    fns = tfdist_data.as_dataset_fns(f"{module}:arrays", 4, 1)
     assert (fns.train_size, fns.eval_steps) == (6, 2)
 
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.config import DataConfig
+from tfdist import data as tfdist_data
 from tfdist.data import get_source, pipeline, user
 from tfdist.errors import UsageError
 
@@ -177,7 +178,7 @@ def test_registry_source_stream_unchanged():
     feature sums of synthetic's first two batches on pipeline 1 of 2, from step 2."""
     config = DataConfig(name="synthetic", synthetic_examples=600, synthetic_shape=(4,),
                         synthetic_classes=5)
-    fns = user.as_dataset_fns("synthetic", 8, 7, config, start_step=2)
+    fns = tfdist_data.as_dataset_fns("synthetic", 8, 7, config, start_step=2)
     batches = list(fns.train(tf.distribute.InputContext(2, 1, 2)).take(2))
     assert [y.numpy().tolist() for _, y in batches] == [[0, 1, 2, 2], [3, 2, 3, 1]]
     sums = [float(np.sum(x.numpy().astype(np.float64))) for x, _ in batches]

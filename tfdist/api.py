@@ -29,7 +29,7 @@ patching the model's methods when it adopts it: a user calls `model.fit` before
 tfdist has seen the model, so adoption is too late; and the mark leaves the model
 object untouched (no instance attributes that saving, cloning or pickling would
 carry). The dispatch is one wrapper per keras.Model method, shared with
-keras.distribution's routes (tfdist/keras_distribution.py). Where the model's
+keras.distribution's routes (tfdist/keras_calls.py, tfdist/keras_distribution.py). Where the model's
 Strategy is gone (closed, or garbage-collected after a `with
 tfdist.Strategy(...).scope():`), the call stops before any step, naming
 `strategy.fit(model, ...)`.
@@ -52,6 +52,7 @@ import os
 import re
 import sys
 import threading
+import types
 import weakref
 from typing import Mapping, Optional
 
@@ -114,8 +115,8 @@ class Strategy:
 
     def _route_keras_calls(self) -> None:
         """Keras' fit/evaluate/predict on this Strategy's models come here."""
-        from tfdist import keras_distribution
-        keras_distribution.install_routes()
+        from tfdist import keras_calls
+        keras_calls.install(router=KERAS_ROUTER)
         tf_strategy = getattr(self.parallel, "strategy", None)
         if tf_strategy is not None and _is_scoped(tf_strategy):
             _TF_OWNERS[tf_strategy] = weakref.ref(self)
@@ -901,7 +902,8 @@ class _Data:
             require(y is None and sample_weight is None,
                     f"The {what} is the dataset name {x!r}: its examples carry the labels; "
                     f"do not pass y or sample_weight too.")
-            return cls(user.as_source(x, cfg.DataConfig()), None,
+            from tfdist import data
+            return cls(data.as_source(x, cfg.DataConfig()), None,
                        batch_size or KERAS_DEFAULT_BATCH, shuffle, named=True)
         if callable(x) and not isinstance(x, tf.data.Dataset):
             require(batch_size, f"The {what} is a dataset_fn(input_context); give batch_size "
@@ -1015,3 +1017,9 @@ def _zeros_like_rows(x):
 
 
 __all__ = ["Strategy", "UsageError"]
+
+
+# What keras.Model's wrapped methods ask this module (tfdist.keras_calls.Router).
+KERAS_ROUTER = types.SimpleNamespace(inside_tfdist_call=inside_tfdist_call, owner_of=owner_of,
+                                     keras_call=keras_call, compiled=compiled,
+                                     weights_loaded=weights_loaded)

@@ -13,7 +13,6 @@ importing TensorFlow. A `UsageError` from any handler is printed as one
 paragraph on stderr and the exit status is 2.
 """
 
-import argparse
 import dataclasses
 import importlib.metadata
 import os
@@ -24,16 +23,9 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 from tfdist import cluster
-from tfdist.errors import UsageError, require
+from tfdist.errors import ArgumentParser, UsageError, require, run_command
 
 NVIDIA_SMI_TIMEOUT_SECONDS = 10
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises UsageError, so flag mistakes read like every other user error."""
-
-    def error(self, message):
-        raise UsageError(f"{message}. Usage: {' '.join(self.format_usage().split())}")
 
 
 # --------------------------------------------------------------------------- launch
@@ -306,13 +298,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    try:
-        require(name in SUBCOMMANDS,
-                f"Unknown subcommand {name!r}. Valid subcommands: {', '.join(SUBCOMMANDS)}.")
-        return SUBCOMMANDS[name].handler(rest)
-    except UsageError as error:
-        print(f"tfdist {name}: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
-        return 2
+    if name not in SUBCOMMANDS:
+        return run_command(name, lambda _: require(False, f"Unknown subcommand {name!r}. Valid "
+                                                          f"subcommands: {', '.join(SUBCOMMANDS)}."),
+                           rest)
+    return run_command(name, SUBCOMMANDS[name].handler, rest)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ class DataConfig:
     sharding: str = "auto"                # auto: file-level when files divide over workers
 
     def __post_init__(self):
-        from tfdist import data
-        data.validate_name(self.name)
+        from tfdist.data import names
+        names.validate_name(self.name)
         _positive("seq_len", self.seq_len)
         _positive("synthetic_classes", self.synthetic_classes)
         _positive("synthetic_examples", self.synthetic_examples)

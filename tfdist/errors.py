@@ -5,6 +5,10 @@ batch that does not divide). Entry points print its message as one paragraph and
 exit with status 2 instead of showing a TensorFlow stack trace.
 """
 
+import argparse
+import sys
+from typing import Callable, List
+
 
 class UsageError(ValueError):
     """A problem with the user's input, explained in the message."""
@@ -36,3 +40,20 @@ class Preempted(Exception):
 EXIT_USAGE_ERROR = 2
 EXIT_CLUSTER_ERROR = 3
 EXIT_PREEMPTED = 4
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError, so flag mistakes read like every other user error."""
+
+    def error(self, message):
+        raise UsageError(f"{message}. Usage: {' '.join(self.format_usage().split())}")
+
+
+def run_command(name: str, handler: Callable[[List[str]], int], argv: List[str]) -> int:
+    """`tfdist NAME ARGV...`: handler's exit status; a UsageError is printed as one
+    paragraph on stderr and is exit status 2."""
+    try:
+        return handler(argv)
+    except UsageError as error:
+        print(f"tfdist {name}: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return EXIT_USAGE_ERROR

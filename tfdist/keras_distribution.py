@@ -48,13 +48,12 @@ Strategy (tfdist/api.py).
 """
 
 import contextlib
-import functools
-import inspect
 import math
 import os
 import threading
 from typing import Dict, Optional, Tuple
 
+from tfdist import api, keras_calls
 from tfdist.errors import UsageError
 from tfdist.parallel.dtensor import keras_layouts   # no TensorFlow at import
 from tfdist.parallel.dtensor.layout_map import LayoutMap
@@ -64,12 +63,10 @@ ACTIVATION_SUFFIX = "/output"   # Keras' key for a layer's output layout
 BACKEND_FUNCTIONS = ("get_device_count", "distribute_tensor", "distribute_value",
                      "distribute_data_input", "initialize", "num_processes", "process_id",
                      "list_devices", "_to_backend_mesh")
-ROUTED_METHODS = ("fit", "evaluate", "predict")
-HOOKED_METHODS = ("compile", "load_weights")   # tell tfdist.api what happened to a model
 
 _state = threading.local()      # the route of the tfdist call running in this thread
 _strategies: Dict[int, Tuple[object, object, "Route"]] = {}   # id(distribution) -> cached
-_keras_methods: Dict[str, object] = {}                        # Keras' own methods
+_keras_backend: Dict[str, object] = {}                        # Keras' own backend functions
 
 
 # ------------------------------------------------------------------------------ enable
@@ -85,7 +82,7 @@ def enable(simulate_devices: Optional[int] = None):
     require_tensorflow_backend(keras.backend.backend())
     _simulate(simulate_devices)
     _install_backend_functions()
-    install_routes()
+    keras_calls.install(router=api.KERAS_ROUTER, distribution_routes=ROUTES)
     return BACKEND_FUNCTIONS
 
 
@@ -121,79 +118,10 @@ def _backend_module():
 
 def _install_backend_functions() -> None:
     module = _backend_module()
-    if "list_devices" not in _keras_methods:
-        _keras_methods["list_devices"] = module.list_devices
+    if "list_devices" not in _keras_backend:
+        _keras_backend["list_devices"] = module.list_devices
     for name in BACKEND_FUNCTIONS:
         setattr(module, name, globals()[name])
-
-
-def install_routes() -> None:
-    """keras.Model's fit/evaluate/predict go through tfdist for a model of a
-    tfdist.Strategy (tfdist.api.owner_of) or under a set keras.distribution, and its
-    compile/load_weights tell tfdist.api (idempotent). Public Keras methods, wrapped on
-    the class: a model tfdist has not seen yet is covered, and no model object changes."""
-    import keras
-    for name in ROUTED_METHODS + HOOKED_METHODS:
-        if name not in _keras_methods:
-            _keras_methods[name] = getattr(keras.Model, name)
-            wrap = _routed if name in ROUTED_METHODS else _hooked
-            setattr(_defining_class(keras.Model, name), name, wrap(name, _keras_methods[name]))
-
-
-def _defining_class(cls, name: str):
-    """The class of cls's MRO that defines `name`. Why not always keras.Model: Keras'
-    compile_from_config (keras.Model loading) skips compiling a loaded model whose
-    class's compile is not Trainer.compile ("the model's compile() method is custom"),
-    so compile is wrapped where Trainer defines it. No upstream issue (Keras' intended
-    check for user overrides); canary: tests/test_keras_calls.py::
-    test_canary_a_loaded_model_is_compiled_with_the_routes_installed."""
-    if name != "compile":
-        return cls
-    return next(klass for klass in cls.__mro__ if name in vars(klass))
-
-
-def keras_own(name: str):
-    """Keras' own keras.Model.<name>, whether or not the routes are installed."""
-    import keras
-    return _keras_methods.get(name) or getattr(keras.Model, name)
-
-
-def _routed(name, keras_method):
-    """keras.Model.<name> that goes through tfdist for a tfdist model or distribution."""
-    @functools.wraps(keras_method)
-    def method(self, *args, **kwargs):
-        import keras
-        from tfdist import api
-        if api.inside_tfdist_call():
-            return keras_method(self, *args, **kwargs)   # tfdist inside, or a callback's call
-        owner = api.owner_of(self)
-        distribution = keras.distribution.distribution()
-        if owner is None and distribution is None:
-            return keras_method(self, *args, **kwargs)   # Keras' own
-        bound = inspect.signature(keras_method).bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop("self")
-        if owner is not None:
-            return api.keras_call(owner, name, self, arguments)
-        return ROUTES[name](distribution, self, arguments)
-    method.tfdist_routed = True
-    return method
-
-
-def _hooked(name, keras_method):
-    """keras.Model.<name> (Keras' own), then tfdist.api told what it did to the model."""
-    @functools.wraps(keras_method)
-    def method(self, *args, **kwargs):
-        from tfdist import api
-        result = keras_method(self, *args, **kwargs)
-        if name == "compile":
-            api.compiled(self)
-        elif not api.inside_tfdist_call():
-            api.weights_loaded(self)
-        return result
-    method.tfdist_routed = True
-    return method
 
 
 # ------------------------------------------------------------------------------ backend
@@ -267,7 +195,7 @@ def list_devices(device_type=None):
 
 
 def _keras_list_devices(device_type=None):
-    return _keras_methods["list_devices"](device_type)
+    return _keras_backend["list_devices"](device_type)
 
 
 def _to_backend_mesh(device_mesh):
@@ -373,13 +301,12 @@ def _route_for(distribution) -> Route:
     cached = _strategies.get(id(distribution))
     if cached is not None and cached[0] is distribution:
         return cached[2]
-    import tfdist
     route = plan(distribution)
     options = dict(mesh=route.mesh, layout=route.layout)
     if _device_type(distribution) == "cpu":   # this process's share of the mesh
         options["simulate_devices"] = int(distribution.device_mesh.devices.size) // \
             num_processes()
-    route.strategy = tfdist.Strategy("dtensor", **options)
+    route.strategy = api.Strategy("dtensor", **options)
     route.strategy._routes_keras_calls = False   # its models follow the distribution's route
     _strategies[id(distribution)] = (distribution, route.strategy, route)
     return route
@@ -481,7 +408,6 @@ def _call(distribution, name, model, arguments):
     """strategy.<name>(model, ...) of the distribution's Strategy, with Keras' arguments
     (tfdist.api.keras_call: a Dataset is not shuffled, as Keras never does), while Keras'
     Layer.__call__ may ask this route for activation layouts."""
-    from tfdist import api
     route = _route_for(distribution)
     with _running(route):
         return api.keras_call(route.strategy, name, model, arguments)

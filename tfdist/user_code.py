@@ -53,7 +53,7 @@ def load_function(spec: str, flag: str) -> Callable:
     function = getattr(module, function_name)
     if not callable(function):
         raise UsageError(
-            f"{flag}={spec!r}: {module_name}.{function_name} is {_a(type(function).__name__)} "
+            f"{flag}={spec!r}: {module_name}.{function_name} is {with_article(type(function).__name__)} "
             f"({_short_repr(function)}), not a function. "
             f"{_callables_hint(module)}")
     return function
@@ -164,11 +164,11 @@ def _name(function) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
 
 
-def _a(noun: str) -> str:
+def with_article(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
-def _type_name(value) -> str:
+def type_name(value) -> str:
     kind = type(value)
     if kind.__module__ == "builtins":
         return kind.__name__
@@ -189,33 +189,6 @@ def build_user_model(spec: str, flag: str = "--model"):
     if type(model).__module__.startswith("tf_keras"):
         hint = " That is a Keras 2 (tf_keras) model; tfdist needs Keras 3: `import keras`."
     raise UsageError(
-        f"{flag}={spec!r} returned {_a(_type_name(model))}, not a keras.Model. FUNCTION() must "
+        f"{flag}={spec!r} returned {with_article(type_name(model))}, not a keras.Model. FUNCTION() must "
         f"build and return an uncompiled Keras 3 model (keras.Sequential, a functional "
         f"keras.Model, or a keras.Model subclass).{hint}")
-
-
-def load_user_datasets(spec: str, flag: str = "--dataset"):
-    """Calls FUNCTION() of 'MODULE:FUNCTION', expecting (train, test).
-
-    Each of train and test is a tf.data.Dataset of unbatched (features, label) or
-    (features, label, sample_weight) examples, or a tuple of NumPy arrays
-    (x, y) / (x, y, sample_weight); test may be None. Returns them validated, as
-    tf.data.Datasets of known length (tfdist.data.user.as_user_dataset), test
-    possibly None.
-    """
-    from tfdist.data import user
-    result = call_without_arguments(load_function(spec, flag), spec, flag)
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        got = (f"a {type(result).__name__} of length {len(result)}"
-               if isinstance(result, (tuple, list)) else _a(_type_name(result)))
-        raise UsageError(
-            f"{flag}={spec!r} returned {got}; FUNCTION() must return (train, test), each a "
-            f"tf.data.Dataset of unbatched (features, label[, sample_weight]) examples or a "
-            f"tuple of NumPy arrays (x, y[, sample_weight]); test may be None.")
-    train, test = result
-    if train is None:
-        raise UsageError(f"{flag}={spec!r} returned (None, ...): the training data is required.")
-    train = user.as_user_dataset(train, f"the training data of {flag}={spec}")
-    if test is not None:
-        test = user.as_user_dataset(test, f"the test data of {flag}={spec}")
-    return train, test

@@ -3,34 +3,14 @@
 Names are resolved in this order: 'tfds:NAME' (tensorflow-datasets, by prefix),
 'MODULE:FUNCTION' (user code returning (train, test), see tfdist.user_code), then
 the registered names. Users' own tf.data Datasets, arrays and dataset_fns enter
-through tfdist.data.user (as_dataset_fns, source_from_user_data).
+through tfdist.data.user (as_dataset_fns, source_from_user_data). The names themselves
+live in tfdist.data.names.
 """
 
-from tfdist.registry import Registry
-from tfdist.user_code import is_user_code_spec, split_spec
+import dataclasses
 
-DATASETS = Registry("dataset", {
-    "digits": "tfdist.data.digits:make_source",
-    "text": "tfdist.data.text:make_source",
-    "synthetic": "tfdist.data.synthetic:make_source",
-})
-TFDS_PREFIX = "tfds:"
-
-
-def validate_name(name: str) -> str:
-    """Checks a dataset name's form; nothing is imported or read (that is get_source's)."""
-    if name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX):
-        return name
-    if is_user_code_spec(name):
-        split_spec(name, "--dataset")
-        return name
-    try:
-        return DATASETS.validate(name)
-    except Exception as error:
-        raise type(error)(f"{error} Any tensorflow-datasets dataset is also "
-                          f"available as '{TFDS_PREFIX}NAME' when its data is prepared, "
-                          f"and your own as 'MODULE:FUNCTION' (FUNCTION() returns "
-                          f"(train, test)).")
+from tfdist.data.names import DATASETS, TFDS_PREFIX, validate_name
+from tfdist.user_code import is_user_code_spec
 
 
 def get_source(config):
@@ -46,13 +26,24 @@ def get_source(config):
 
 def user_code_source(spec: str):
     """The source of --dataset=MODULE:FUNCTION: FUNCTION() returns (train, test)."""
-    from tfdist import user_code
     from tfdist.data import user
-    train, test = user_code.load_user_datasets(spec)
+    train, test = user.load_user_datasets(spec)
     return user.source_from_user_data(train, test, name=spec)
 
 
-def as_dataset_fns(*args, **kwargs):
-    """tfdist.data.user.as_dataset_fns (imported lazily: it needs TensorFlow)."""
+def as_source(data, data_config):
+    """A DatasetSource for a name (registered, tfds:NAME or MODULE:FUNCTION, read with
+    data_config's options), or for a source, a tf.data.Dataset or arrays (tfdist.data.user)."""
     from tfdist.data import user
-    return user.as_dataset_fns(*args, **kwargs)
+    if isinstance(data, str):
+        return get_source(dataclasses.replace(data_config, name=data))
+    return user.as_source(data)
+
+
+def as_dataset_fns(data, global_batch_size: int, seed: int = 0, data_config=None, **kwargs):
+    """tfdist.data.user.as_dataset_fns, for a dataset name too (imported lazily: it needs
+    TensorFlow)."""
+    from tfdist.data import user
+    if isinstance(data, str):
+        data = as_source(data, data_config or user.default_data_config())
+    return user.as_dataset_fns(data, global_batch_size, seed, data_config, **kwargs)

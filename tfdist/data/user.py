@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfdist.data import pipeline
 from tfdist.data.base import DatasetInfo, DatasetSource
+from tfdist import user_code
 from tfdist.errors import UsageError
 
 ACCEPTED = ("a tf.data.Dataset of unbatched (features, label[, sample_weight]) examples, "
@@ -278,24 +279,25 @@ def as_dataset_fns(data, global_batch_size: int, seed: int = 0, data_config=None
     the test split of `data` when it has one.
     """
     _check_batch(global_batch_size, start_step)
-    config = data_config if data_config is not None else _default_data_config()
+    config = data_config if data_config is not None else default_data_config()
     if _is_dataset_fn(data):
         train, source, size = _resumed(data, start_step), None, None
     else:
-        source = as_source(data, config)
+        source = as_source(data)
         size = source.info.size("train")
         train = pipeline.train_dataset_fn(source, global_batch_size, seed, config, start_step)
     evaluate, steps = _eval_fns(validation_data, source, global_batch_size, config)
     return DatasetFns(train, evaluate, steps, size, source)
 
 
-def as_source(data, data_config) -> DatasetSource:
-    """A DatasetSource for a source, a name, a tf.data.Dataset or a tuple of arrays."""
-    from tfdist import data as registry
+def as_source(data) -> DatasetSource:
+    """A DatasetSource for a source, a tf.data.Dataset or a tuple of arrays (a dataset's
+    name is the registry's: tfdist.data.as_source)."""
     if isinstance(data, DatasetSource):
         return data
     if isinstance(data, str):
-        return registry.get_source(dataclasses.replace(data_config, name=data))
+        raise UsageError(f"The data is the dataset name {data!r}: resolve it with "
+                         f"tfdist.data.as_source or tfdist.data.as_dataset_fns.")
     if isinstance(data, (tf.data.Dataset, tuple, list)):
         return source_from_user_data(data)
     raise UsageError(f"The data has type {type(data).__name__}; tfdist accepts {ACCEPTED}.")
@@ -343,6 +345,32 @@ def _check_batch(global_batch_size, start_step) -> None:
         raise UsageError(f"start_step must be an int >= 0, got {start_step!r}.")
 
 
-def _default_data_config():
+def default_data_config():
     from tfdist.config import DataConfig
     return DataConfig()
+
+
+def load_user_datasets(spec: str, flag: str = "--dataset"):
+    """Calls FUNCTION() of 'MODULE:FUNCTION', expecting (train, test).
+
+    Each of train and test is a tf.data.Dataset of unbatched (features, label) or
+    (features, label, sample_weight) examples, or a tuple of NumPy arrays
+    (x, y) / (x, y, sample_weight); test may be None. Returns them validated, as
+    tf.data.Datasets of known length (as_user_dataset), test
+    possibly None.
+    """
+    result = user_code.call_without_arguments(user_code.load_function(spec, flag), spec, flag)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = (f"a {type(result).__name__} of length {len(result)}"
+               if isinstance(result, (tuple, list)) else user_code.with_article(user_code.type_name(result)))
+        raise UsageError(
+            f"{flag}={spec!r} returned {got}; FUNCTION() must return (train, test), each a "
+            f"tf.data.Dataset of unbatched (features, label[, sample_weight]) examples or a "
+            f"tuple of NumPy arrays (x, y[, sample_weight]); test may be None.")
+    train, test = result
+    if train is None:
+        raise UsageError(f"{flag}={spec!r} returned (None, ...): the training data is required.")
+    train = as_user_dataset(train, f"the training data of {flag}={spec}")
+    if test is not None:
+        test = as_user_dataset(test, f"the test data of {flag}={spec}")
+    return train, test

@@ -67,10 +67,10 @@ def mpi_installed() -> Tuple[bool, str]:
 def _mpi_installed(python: str, path: str) -> Tuple[bool, str]:
     if importlib.util.find_spec("mpi4py") is None:
         return False, "mpi4py is not installed"
-    from tfdist import launch      # TF-free; its resolve_mpirun runs `mpirun --version` only
+    from tfdist.launch import mpirun   # TF-free; resolve_mpirun runs `mpirun --version` only
     from tfdist.errors import UsageError
     try:
-        launch.resolve_mpirun()
+        mpirun.resolve_mpirun()
     except UsageError as error:
         return False, str(error)
     return True, ""

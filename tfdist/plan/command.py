@@ -44,7 +44,7 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser():
-    from tfdist.cli import ArgumentParser
+    from tfdist.errors import ArgumentParser
     p = ArgumentParser(prog="tfdist plan", description="Estimates the memory per device of "
                        "each way to run a model and recommends the simplest plan that fits.")
     p.add_argument("--devices", type=int, required=True, help="devices in the job (all workers)")

@@ -15,7 +15,7 @@ import time
 
 import keras
 
-from tfdist import keras_distribution
+from tfdist import keras_calls
 from tfdist.data import pipeline
 from tfdist.train import checkpoint, keras_fixes
 from tfdist.train.loop import LoopResult, TrainingLoop
@@ -67,7 +67,9 @@ class GuardBatches(keras.callbacks.Callback):
         self.end()
 
 
-def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopResult:
+def train_with_fit(config, parallel, source, model, optimizer, steps, eval_data) -> LoopResult:
+    """Keras' own fit for `steps` steps, then tfdist's evaluation of `eval_data`
+    (tfdist.train.runner.eval_data)."""
     start = time.perf_counter()
     keras_fixes.repair_fit_for_collective_strategies(model)
     with parallel.scope():   # the model's own loss and metrics, and --jit_compile
@@ -78,7 +80,7 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
     recorder, guard = StepLosses(), GuardBatches(parallel)
     # Keras' own fit (tfdist.api routes model.fit of a tfdist model to its loop; this
     # trainer is the comparison with Keras itself).
-    keras_fit = keras_distribution.keras_own("fit")
+    keras_fit = keras_calls.keras_own("fit")
     try:
         keras_fit(model, parallel.distribute(dataset_fn), epochs=steps, steps_per_epoch=1,
                   callbacks=callbacks + [recorder, guard], verbose=0, shuffle=False)
@@ -86,9 +88,7 @@ def train_with_fit(config, parallel, source, model, optimizer, steps) -> LoopRes
         guard.end()   # a batch that raised never reached on_train_batch_end: disarm anyway
     elapsed = time.perf_counter() - (recorder.first_step_done or start)
     rate = max(len(recorder.losses) - 1, 1) * config.global_batch_size / max(elapsed, 1e-9)
-    from tfdist.train import runner
-    logs = TrainingLoop(config, parallel, model, model, optimizer, None).evaluate(
-        runner.eval_data(config, source))
+    logs = TrainingLoop(config, parallel, model, model, optimizer, None).evaluate(eval_data)
     return LoopResult(recorder.losses, logs["loss"], logs.get("accuracy"), rate,
                       time.perf_counter() - start, start_step, eval_metrics=logs)
 

@@ -134,7 +134,8 @@ def train(config, parallel, source, model, optimizer, steps, user_model=None):
     user_model = model if user_model is None else user_model
     if config.trainer == "fit":
         from tfdist.train import fit
-        return fit.train_with_fit(config, parallel, source, model, optimizer, steps)
+        return fit.train_with_fit(config, parallel, source, model, optimizer, steps,
+                                  eval_data(config, source))
     loop = TrainingLoop(config, parallel, user_model, model, optimizer,
                         parallel.write_dir(config.model_dir))
     return loop.run(train_plan(config, source, steps))

@@ -55,7 +55,7 @@ from tfdist import cluster, devices as devices_lib, rendezvous
 from tfdist.errors import (EXIT_CLUSTER_ERROR, EXIT_PREEMPTED, ClusterError, UsageError,
                            require)
 from tfdist.parallel import watchdog
-from tfdist.parallel.pipeline import PipelineParallelism
+from tfdist.parallel.pipeline.parallelism import PipelineParallelism
 
 log = logging.getLogger("tfdist")
 DRIVER_RANK = 0

@@ -42,7 +42,8 @@ setup(
                  # pinned so pip never moves TensorFlow or Keras for it
                  "keras-hub>=0.32,<0.33", "tensorflow-text>=2.21,<2.22",
                  # tests/test_docs_site.py builds the docs site (mkdocs.yml, docs/)
-                 "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"],
+                 "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2",
+                 "pylint>=4,<5"],   # tests/test_layout.py: no import cycles
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
 )

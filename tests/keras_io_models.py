@@ -21,7 +21,7 @@ import numpy as np
 from keras import layers
 
 # keras-io's two custom layers, as the conformance corpus reproduces them (no **kwargs).
-from tfdist.benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
+from benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
 from tfdist.testing import equivalence
 
 VOCAB, MAXLEN, EMBED = 50, 8, 16

@@ -58,6 +58,9 @@ ALLOWED_SKIPS: Tuple[Tuple[str, "re.Pattern"], ...] = (
      re.compile(r"\b(apt-get|apt|pip|conda) install \S", re.I)),
     ("a missing optional Python package (pytest.importorskip)",
      re.compile(r"^could not import '[\w.]+'")),
+    ("a docs example its page marks as not runnable here, with the reason "
+     "(<!-- example: skip because ... -->, tests/test_docs_examples.py)",
+     re.compile(r"^docs example, not run: \S")),
 )
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from tfdist.benchmarks import chaos, soak
+from benchmarks import chaos, soak
 from tfdist.errors import UsageError
 
 SOAK_COLUMNS = ["collective", "worker", "steps", "exit", "wall_s", "threads_first", "threads_last",
@@ -88,7 +88,7 @@ def test_a_kill_waits_for_a_checkpoint_of_its_own_attempt(tmp_path):
 
 
 def run_suite(args, out_dir, timeout):
-    command = [sys.executable, "-m", "experiments.benchmark", *args, f"--out_dir={out_dir}"]
+    command = [sys.executable, "-m", "benchmarks", *args, f"--out_dir={out_dir}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -176,7 +176,7 @@ def test_the_chaos_suite_kills_restarts_and_counts(tmp_path):
 # --------------------------------------------------------------------------- allreduce: the mpi rows
 
 def test_allreduce_names_map_to_a_collective_and_a_launch():
-    from tfdist.benchmarks import allreduce
+    from benchmarks import allreduce
     assert allreduce.DEFAULT_COLLECTIVES.split(",") == ["auto", "ring", "tcp", "shm", "mpi",
                                                         "mpi_tcp"]
     launch = allreduce.launch_command("python", 2, "mpi_tcp", "1")
@@ -191,7 +191,7 @@ def test_allreduce_names_map_to_a_collective_and_a_launch():
 
 @pytest.mark.slow
 def test_the_allreduce_suite_times_mpi_over_shared_memory_and_tcp(tmp_path):
-    from tfdist.benchmarks import allreduce
+    from benchmarks import allreduce
     if allreduce.mpi_missing():
         pytest.skip(f"MPI not installed: {allreduce.mpi_missing()}")
     done = run_suite(["--suite=allreduce", "--collectives=mpi,mpi_tcp", "--sizes_mb=1"],
@@ -205,7 +205,7 @@ def test_the_allreduce_suite_times_mpi_over_shared_memory_and_tcp(tmp_path):
 
 
 def test_paired_refuses_what_it_cannot_compare():
-    from tfdist.benchmarks import paired
+    from benchmarks import paired
     assert paired.parse_contenders("tcp, shm") == ["tcp", "shm"]
     with pytest.raises(UsageError, match="Unknown collective 'gloo' in --contenders='shm,gloo'. "
                                          "Valid names: tf, tcp, shm, mpi"):
@@ -213,17 +213,17 @@ def test_paired_refuses_what_it_cannot_compare():
     for text in ("shm", "shm,shm", "tcp,shm,mpi"):
         with pytest.raises(UsageError, match="two different collectives"):
             paired.parse_contenders(text)
-    done = subprocess.run([sys.executable, "-m", "tfdist.benchmarks.paired", "--pairs=0"],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.paired", "--pairs=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--pairs must be >= 1" in done.stderr, done.stderr
-    done = subprocess.run([sys.executable, "-m", "tfdist.benchmarks.paired", "--workload=tiny"],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.paired", "--workload=tiny"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and ("Unknown --workload='tiny'. Valid: throughput, latency"
                                      in done.stderr), done.stderr
 
 
 def test_paired_flips_the_order_and_counts_the_pairs_won():
-    from tfdist.benchmarks import paired
+    from benchmarks import paired
     calls = []
     rates = {"shm": iter([100.0, 100.0, 100.0]), "mpi": iter([110.0, 90.0, 105.0])}
     runs = {name: (lambda name=name: calls.append(name) or next(rates[name])) for name in rates}
@@ -236,10 +236,10 @@ def test_paired_flips_the_order_and_counts_the_pairs_won():
 
 @pytest.mark.slow
 def test_the_paired_benchmark_runs_both_contenders(tmp_path):
-    from tfdist.benchmarks import allreduce
+    from benchmarks import allreduce
     contenders = "tcp,shm" if allreduce.mpi_missing() else "shm,mpi"
     a, b = contenders.split(",")
-    command = [sys.executable, "-m", "tfdist.benchmarks.paired", f"--contenders={contenders}",
+    command = [sys.executable, "-m", "benchmarks.paired", f"--contenders={contenders}",
                "--pairs=1", "--steps=5", "--workload=latency", f"--out_dir={tmp_path}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))

@@ -1,4 +1,4 @@
-"""The conformance corpus' fast subset (the whole corpus: `python -m experiments.benchmark
+"""The conformance corpus' fast subset (the whole corpus: `python -m benchmarks
 --suite=conformance`, about an hour): two keras-io-shaped models of the corpus, the
 token + arange-position transformer and the Conv1D + BatchNormalization classifier,
 under mirrored and pipeline here and dtensor layout="auto" in the DTensor process,
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from helpers import REPO
-from tfdist.benchmarks import conformance
+from benchmarks import conformance
 
 # (model, mode) -> the verdict today, per optimizer; None: only "not silent" is asserted
 # (a cell another change is still settling: see the issue's conformance table).
@@ -133,7 +133,7 @@ def test_the_suite_runs_end_to_end_and_writes_its_table(tmp_path):
     """The command, on the cheapest cell: a process per group, the records judged,
     conformance.json and conformance.md written, exit 0 (no silent mismatch)."""
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.benchmark", "--suite=conformance",
+        [sys.executable, "-m", "benchmarks", "--suite=conformance",
          "--models=subclassed_mlp", "--modes=default", f"--out_dir={tmp_path}"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
         timeout=300)

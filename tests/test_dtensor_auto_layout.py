@@ -53,7 +53,7 @@ def transformer():
     import keras
     layers = keras.layers
 
-    from tfdist.benchmarks.conformance_keras_io import (TokenAndPositionEmbedding,
+    from benchmarks.conformance_keras_io import (TokenAndPositionEmbedding,
                                                         TransformerBlock)
 
     inputs = keras.Input((SEQ,), dtype="int32")

@@ -1,4 +1,4 @@
-"""tfdist.benchmarks.import_time at its smallest: both rows, positive times, what each imported."""
+"""benchmarks.import_time at its smallest: both rows, positive times, what each imported."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from helpers import REPO
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "tfdist.benchmarks.import_time", *args],
+    return subprocess.run([sys.executable, "-m", "benchmarks.import_time", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from tfdist.benchmarks import matmul_rows
-from tfdist.benchmarks.torch_pipeline import torch_missing
+from benchmarks import matmul_rows
+from benchmarks.torch_pipeline import torch_missing
 
 
 def tiny_run(*flags):
     return subprocess.run(
-        [sys.executable, "-m", "tfdist.benchmarks.matmul_rows", "--seconds", "0.1",
+        [sys.executable, "-m", "benchmarks.matmul_rows", "--seconds", "0.1",
          "--widths", "64,72", "--rows", "32,64", *flags],
         capture_output=True, text=True, timeout=120)
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 SAME_WORK = """
-from tfdist.benchmarks import microbatch_cost
+from benchmarks import microbatch_cost
 steps = microbatch_cost.stage_steps(width=48, layers=3, rows=64, microbatches=4)
 sums = {way: float(step()) for way, step in steps.items()}
 whole = sums["whole"]
@@ -24,7 +24,7 @@ def test_the_three_ways_compute_the_same_stage():
 
 
 def test_reports_a_row_per_row_count():
-    ran = run("-m", "tfdist.benchmarks.microbatch_cost", "--width", "32", "--rows", "32,64",
+    ran = run("-m", "benchmarks.microbatch_cost", "--width", "32", "--rows", "32,64",
               "--microbatches", "4", "--repeats", "2")
     assert ran.returncode == 0, ran.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in ran.stdout.splitlines()
@@ -34,6 +34,6 @@ def test_reports_a_row_per_row_count():
 
 
 def test_rows_that_do_not_split_into_the_micro_batches_are_a_usage_error():
-    ran = run("-m", "tfdist.benchmarks.microbatch_cost", "--rows", "100", "--microbatches", "8")
+    ran = run("-m", "benchmarks.microbatch_cost", "--rows", "100", "--microbatches", "8")
     assert ran.returncode == 2 and "--rows 100 not divisible by --microbatches 8" in ran.stderr, \
         ran.stderr[-2000:]

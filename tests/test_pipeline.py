@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.config import DataConfig
-from tfdist.benchmarks.input_pipeline import element_by_element
+from benchmarks.input_pipeline import element_by_element
 from tfdist.data import base, pipeline
 
 NUM_EXAMPLES = 50

@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from tfdist.benchmarks import pipeline_overlap, torch_pipeline
+from benchmarks import pipeline_overlap, torch_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_torch_pipeline_tiny(tmp_path):
 
 
 def test_pinned_processes_take_the_cores_by_rank():
-    from tfdist.benchmarks import pinned
+    from benchmarks import pinned
     assert [pinned.core_for(rank, {0, 1}) for rank in range(4)] == [0, 1, 0, 1]
     assert pinned.core_for(1, {6, 4}) == 6   # the cores this process may use, in order
 

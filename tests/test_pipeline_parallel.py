@@ -28,7 +28,7 @@ from tfdist import data, models, parallel as parallel_lib
 from tfdist.config import DataConfig, ModelConfig, RunConfig
 from tfdist.data import pipeline as data_pipeline
 from tfdist.errors import UsageError
-from tfdist.benchmarks import bubble
+from benchmarks import bubble
 from tfdist.parallel.pipeline import partition as partition_lib, placement, schedule
 from tfdist.testing import equivalence
 from tfdist.train import runner

@@ -22,7 +22,7 @@ import tfdist
 from tfdist.errors import UsageError
 # keras-io's two custom layers as keras-io writes them (no **kwargs in __init__): the
 # conformance corpus's copy, one for every test.
-from tfdist.benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
+from benchmarks.conformance_keras_io import TokenAndPositionEmbedding, TransformerBlock
 from tfdist.parallel.pipeline import PipelineParallelism, copying
 from tfdist.testing import equivalence
 

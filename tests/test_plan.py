@@ -230,13 +230,13 @@ def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
     allocator that keeps statistics has to be chosen before TensorFlow's devices exist,
     and the executor's thread counts before its context does (one each: a fixed op order);
     the step is traced without grappler's rewrites, which chose per process between peaks
-    7.3 and 11.5-12.5 MB (tfdist/benchmarks/memory.py).
+    7.3 and 11.5-12.5 MB (benchmarks/memory.py).
     The default allocator (oneDNN's, on AVX512), in 64 KiB steps: within a third. BFC
     counts chunks up to twice the request, so its peak is 1-2x the bytes asked for: an
     estimate within a third of those is -2/3 to +1/3 of BFC's peak.
     """
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    script = ("import json; from tfdist.benchmarks import memory; "
+    script = ("import json; from benchmarks import memory; "
               "print(json.dumps(memory.compare(list(memory.CONFIGS[0]))))")  # --suite=memory's mlp
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env=env, cwd=REPO, timeout=300)
@@ -248,7 +248,7 @@ def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
 
 def test_a_process_whose_allocator_keeps_no_statistics_gets_told_how_to_measure(monkeypatch):
     import tensorflow as tf
-    from tfdist.benchmarks import memory
+    from benchmarks import memory
     monkeypatch.setenv(memory.ALLOCATOR_STATS_ENV, "false")  # TF's plain CPU allocator
     tf.constant(1.0)  # TensorFlow's devices exist from here on
     try:
@@ -262,7 +262,7 @@ def test_a_process_whose_allocator_keeps_no_statistics_gets_told_how_to_measure(
 
 def test_a_process_already_on_several_threads_gets_told_how_to_measure(monkeypatch):
     import tensorflow as tf
-    from tfdist.benchmarks import memory
+    from benchmarks import memory
     for name in memory.THREAD_ENVS:
         monkeypatch.delenv(name, raising=False)
     tf.constant(1.0)  # the context exists, on TensorFlow's default thread counts
@@ -276,7 +276,7 @@ def test_a_process_already_on_several_threads_gets_told_how_to_measure(monkeypat
 
 def test_graph_rewrites_are_off_only_inside_the_measurement():
     import tensorflow as tf
-    from tfdist.benchmarks import memory
+    from benchmarks import memory
     assert not tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
     with memory._without_graph_rewrites():
         assert tf.config.optimizer.get_experimental_options()["disable_meta_optimizer"]

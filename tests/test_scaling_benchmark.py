@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from tfdist.benchmarks import scaling
+from benchmarks import scaling
 from tfdist.errors import UsageError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +80,7 @@ def test_a_failing_or_slow_contender_is_reported_with_its_output():
 
 @pytest.mark.slow
 def test_the_suite_end_to_end(tmp_path):
-    command = [sys.executable, "-m", "experiments.benchmark", "--suite=scaling",
+    command = [sys.executable, "-m", "benchmarks", "--suite=scaling",
                "--scaling_modes=default:1,mirrored:2", "--steps=5", "--trials=1",
                "--run_timeout=120", f"--out_dir={tmp_path}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tfdist.benchmarks import soak
+from benchmarks import soak
 
 # One script, run in every role of the tree: the launcher starts the ranks, or under
 # --mpi "mpirun" (no rank variable), which starts them; each rank starts a helper child

@@ -4,7 +4,7 @@ Why: Keras 3.15 imports scikit-learn (for keras.wrappers' SKLearnClassifier, whi
 subclasses sklearn's BaseEstimator at import, pulling in scipy.stats) and
 matplotlib.pyplot (for keras.visualization's plot functions) whenever Keras is imported,
 and TensorFlow imports Keras. Measured here, `import tfdist, tensorflow, keras` takes 3.59 s of CPU
-with them deferred against 5.23 s without (`python -m tfdist.benchmarks.import_time`),
+with them deferred against 5.23 s without (`python -m benchmarks.import_time`),
 paid by every worker of every launch and every restart. No upstream issue asks for
 these imports to be lazy (searched keras-team/keras, 2026-12).
 

@@ -22,7 +22,7 @@ Policies, explicitly:
   blocks, never one example at a time: `rebatch` cuts global batches out of the
   blocks and each input pipeline gathers its rows, the same stream as shard-then-
   batch at a tenth of the cost (0.24 against 3.68 ms a batch of 256 x 784 on
-  one thread: `python -m experiments.benchmark --suite=input`). The blocks are
+  one thread: `python -m benchmarks --suite=input`). The blocks are
   generated or decoded once and cached when the split is at most CACHE_LIMIT_BYTES.
 - structure: an element is (features, label) or (features, label, sample_weight),
   where features and label may be any tf.nest structure (a dict for a model with

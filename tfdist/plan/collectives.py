@@ -16,9 +16,9 @@ prints the bandwidth beside it.
 
 THROUGHPUT is the README's "Multi-worker throughput" table (MLP 784-1024-1024-10, 7.1 MiB
 of float32 gradients, 2 workers, one thread each), from
-    python -m experiments.benchmark --suite=throughput --steps=300 --trials=3
+    python -m benchmarks --suite=throughput --steps=300 --trials=3
 BUS_GBPS is its "All-reduce bandwidth" table (2 worker processes; medians over three runs) of
-    python -m experiments.benchmark --suite=allreduce --sizes_mb=1,4,16,64
+    python -m benchmarks --suite=allreduce --sizes_mb=1,4,16,64
 both on this 2-core shared host. Re-measure with those commands and replace both together.
 """
 

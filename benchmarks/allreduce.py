@@ -73,7 +73,7 @@ def parse_collectives(text: str, given: bool) -> List[str]:
 def launch_command(python: str, workers: int, name: str, sizes_mb: str) -> List[str]:
     """The `tfdist launch` of the worker group that times VARIANTS[name]."""
     return [python, "-m", "tfdist.launch", "--workers", str(workers), *VARIANTS[name][1], "--",
-            python, "-m", "experiments.benchmark", "--suite=allreduce", "--worker",
+            python, "-m", "benchmarks", "--suite=allreduce", "--worker",
             f"--collectives={name}", f"--sizes_mb={sizes_mb}"]
 
 

@@ -6,7 +6,7 @@ one device), because each stage idles for S - 1 of the M + S - 1 slots: the
 bubble fraction (S - 1) / (M + S - 1). Each row reports the measured step time,
 its ratio to T1 / S, the formula's ratio, and both bubble fractions.
 
-    from tfdist.benchmarks.bubble import bubble_rows
+    from benchmarks.bubble import bubble_rows
     rows = bubble_rows(stages=(2, 4), microbatches=(1, 2, 4, 8))
 
 Caveat for simulated CPU devices: they share the host's cores, so stages do not
@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Sequence
 
 from tfdist import devices
-from tfdist.benchmarks import harness
+from benchmarks import harness
 from tfdist.config import ModelConfig, RunConfig
 
 # Five equal 512-wide layers: stages of nearly equal cost for S = 2 and 4.

@@ -1,6 +1,6 @@
 """tfdist's pipeline and tensor parallelism against PyTorch's, 2 processes x 1 thread on CPU.
 
-    python -m tfdist.benchmarks.torch_pipeline [--steps 30] [--trials 3]
+    python -m benchmarks.torch_pipeline [--steps 30] [--trials 3]
         -> a markdown table; benchmarks/results/torch_pipeline.{csv,md}
 
 Pipeline: the MLP 2048-2048x4-10 (pipeline_overlap's former default), global batch 512,
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Dict, List, Sequence
 
-from tfdist.benchmarks import pipeline_overlap as overlap
+from benchmarks import pipeline_overlap as overlap
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_pipeline_worker.py")
 TP_INPUT, TP_FFN, TP_BATCH = 4096, 16384, 64

@@ -1,7 +1,7 @@
 """Conformance: Keras models tfdist did not write, in every mode, against one device.
 
-    python -m experiments.benchmark --suite=conformance [--models=a,b] [--modes=x,y]
-    python -m tfdist.benchmarks.conformance --models=text_transformer --modes=mirrored
+    python -m benchmarks --suite=conformance [--models=a,b] [--modes=x,y]
+    python -m benchmarks.conformance --models=text_transformer --modes=mirrored
 
 The corpus (conformance_models.ZOO: keras.applications, keras-hub, keras-io
 reproductions) x the modes (MODES below). Each cell trains the model 8 steps at a
@@ -54,10 +54,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from tfdist.benchmarks import conformance_models as zoo
+from benchmarks import conformance_models as zoo
 from tfdist.testing import equivalence
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
 GLOBAL_BATCH = 8
 SEED = 0
@@ -554,7 +554,7 @@ def from_tfdist(message: str) -> bool:
 # ============================================================ the orchestrating process
 
 def group_command(group: str, model: str, modes, random_modes, optimizers, work_dir) -> list:
-    inner = [sys.executable, "-m", "tfdist.benchmarks.conformance", f"--run_group={group}",
+    inner = [sys.executable, "-m", "benchmarks.conformance", f"--run_group={group}",
              f"--model={model}", f"--modes={','.join(modes)}",
              f"--random_check={','.join(random_modes)}", f"--optimizers={','.join(optimizers)}",
              f"--work_dir={work_dir}"]
@@ -1097,7 +1097,7 @@ def main(argv=None) -> int:
         return 2
     result = run_corpus(models, modes, random_modes, optimizers, work_dir, args.cell_timeout,
                         train=not args.report_only, jobs=max(1, args.jobs))
-    result.update(command="python -m tfdist.benchmarks.conformance " + " ".join(
+    result.update(command="python -m benchmarks.conformance " + " ".join(
         sys.argv[1:] if argv is None else argv), commit=git_commit(),
         date=time.strftime("%Y-%m-%d %H:%M"), models=models, modes=modes,
         optimizers=optimizers, steps=STEPS, global_batch=GLOBAL_BATCH, rtol=RTOL,

@@ -1,4 +1,4 @@
-"""Runs a command on one CPU core: `python -m tfdist.benchmarks.pinned COMMAND ...`.
+"""Runs a command on one CPU core: `python -m benchmarks.pinned COMMAND ...`.
 
 The core is the TFDIST_RANK-th (modulo the cores this process may use) under `tfdist
 launch`, the first outside one. The pipeline overlap suite runs every contender this way, so
@@ -19,7 +19,7 @@ def core_for(rank: int, cores) -> int:
 
 def main(argv) -> None:
     if not argv:
-        sys.exit("usage: python -m tfdist.benchmarks.pinned COMMAND [ARGS...]")
+        sys.exit("usage: python -m benchmarks.pinned COMMAND [ARGS...]")
     rank = int(os.environ.get("TFDIST_RANK", "0") or 0)
     os.sched_setaffinity(0, {core_for(rank, os.sched_getaffinity(0))})
     os.execvp(argv[0], argv)

@@ -33,7 +33,7 @@ pipeline's threads allocate on the same device in between. Measured as now:
 9.5 MB in 18 of 22 runs and 10.5 MB in 4, idle and loaded. The rewritten
 graph's peak, which a plan also has to leave room for, is the README's.
 
-    python -m experiments.benchmark --suite=memory     # the CONFIGS below, one row each
+    python -m benchmarks --suite=memory     # the CONFIGS below, one row each
 """
 
 import contextlib
@@ -44,7 +44,7 @@ import sys
 from typing import Dict, List
 
 from tfdist import config as cfg
-from tfdist.benchmarks import harness
+from benchmarks import harness
 from tfdist.plan import command
 from tfdist.plan.memory import Candidate, per_device
 
@@ -91,7 +91,7 @@ def require_allocator_stats(device: str = "CPU:0") -> None:
             f"TensorFlow keeps no allocator statistics for {device!r} in this process "
             f"({error}; {ALLOCATOR_STATS_ENV}={os.environ.get(ALLOCATOR_STATS_ENV)!r}). "
             f"Start the measurement in a fresh process with {ALLOCATOR_STATS_ENV}=true, before "
-            f"anything runs a TensorFlow op: python -m experiments.benchmark --suite=memory") from None
+            f"anything runs a TensorFlow op: python -m benchmarks --suite=memory") from None
 
 
 def require_one_thread_executor() -> None:
@@ -116,7 +116,7 @@ def require_one_thread_executor() -> None:
             "TensorFlow already runs on more than one thread in this process, so a step's op "
             "order (and its memory peak) changes from run to run. Start the measurement in a "
             "fresh process, or with " + " ".join(f"{name}=1" for name in THREAD_ENVS) +
-            ": python -m experiments.benchmark --suite=memory")
+            ": python -m benchmarks --suite=memory")
 
 
 def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",

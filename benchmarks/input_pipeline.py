@@ -1,6 +1,6 @@
 """The input pipeline's CPU cost per batch, vectorised against element by element.
 
-    python -m experiments.benchmark --suite=input --steps=300 --trials=3
+    python -m benchmarks --suite=input --steps=300 --trials=3
 
 The throughput benchmark's data (`synthetic`, 16384 x 784 floats, global batch
 512) as worker 0 of 2 sees it, with one thread (the suite sets TF's limits): the

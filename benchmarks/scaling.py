@@ -1,6 +1,6 @@
 """Scaling: step time, examples/s and efficiency per parallel mode and device count.
 
-    from tfdist.benchmarks import scaling
+    from benchmarks import scaling
     rows = scaling.run_suite("default:1,mirrored:2,pipeline:4", steps=30, trials=3)
     scaling.write_report(rows, "benchmarks/results")   # scaling.csv, .md, .png
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Dict, List, Sequence, Tuple
 
-from tfdist.benchmarks import report
+from benchmarks import report
 from tfdist.errors import UsageError, require
 
 log = logging.getLogger("tfdist")

@@ -1,6 +1,6 @@
 """What a tfdist process pays before its first step: `import tfdist, tensorflow, keras`.
 
-    python -m tfdist.benchmarks.import_time [--trials 7]
+    python -m benchmarks.import_time [--trials 7]
 
 Fresh interpreters, alternating with and without tfdist.lazy_keras's deferral
 (TFDIST_EAGER_KERAS_IMPORTS=1), so machine noise hits both alike; medians of wall

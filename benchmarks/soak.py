@@ -1,6 +1,6 @@
 """Soak: does a long 2-worker run hold its threads, memory and open files flat?
 
-    from tfdist.benchmarks import soak
+    from benchmarks import soak
     rows = soak.run_suite(["auto", "tcp"], steps=20000, checkpoint_every=200, timeout=2400)
 
 For each collective choice, one `tfdist launch --workers 2 -- python -m
@@ -44,7 +44,7 @@ from tfdist.errors import require
 
 log = logging.getLogger("tfdist")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 2
 POLL_SECONDS = 0.1          # /proc sampling and log reading; ~0.2 ms of work per poll
 STOP_GRACE_SECONDS = 30     # a timed-out launcher gets this long to end its workers

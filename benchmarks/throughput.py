@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from tfdist.benchmarks import allreduce   # TF-free at import
+from benchmarks import allreduce   # TF-free at import
 
 ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
               "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}

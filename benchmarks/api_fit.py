@@ -6,7 +6,7 @@ Both train the throughput suite's MLP (784-1024-1024-10, global batch 512, SGD,
 accuracy as the metric) on 16384 synthetic examples, every process on one thread;
 contenders alternate trial by trial and the medians' ratio is reported.
 
-    python -m experiments.benchmark --suite=api_fit
+    python -m benchmarks --suite=api_fit
 """
 
 import json
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from tfdist.benchmarks.throughput import ONE_THREAD, TRAIN_FLAGS
+from benchmarks.throughput import ONE_THREAD, TRAIN_FLAGS
 
 MODES = {
     "mirrored x2": (1, ["--strategy=mirrored", "--simulate_devices=2"]),
@@ -47,7 +47,7 @@ def api_rate(mode: str, steps: int) -> float:
     workers, flags = MODES[mode]
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "r.json")
-        return _run(workers, [sys.executable, "-m", "tfdist.benchmarks.api_fit", str(steps),
+        return _run(workers, [sys.executable, "-m", "benchmarks.api_fit", str(steps),
                               results, *flags], results)
 
 

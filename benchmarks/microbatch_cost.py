@@ -1,7 +1,7 @@
 """What cutting a batch into micro-batches costs one thread, and what batching the weight
 gradients would win back.
 
-    python -m tfdist.benchmarks.pinned python -m tfdist.benchmarks.microbatch_cost \
+    python -m benchmarks.pinned python -m benchmarks.microbatch_cost \
         [--width 2048] [--layers 2] [--rows 2048,4096] [--microbatches 8] [--repeats 7]
 
 For each global row count: one stage of `--layers` Dense(W -> W) products, forward and
@@ -25,7 +25,7 @@ import time
 os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1",
                   TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
 
-from tfdist.benchmarks.matmul_rows import positive_ints  # noqa: E402  (after the thread settings)
+from benchmarks.matmul_rows import positive_ints  # noqa: E402  (after the thread settings)
 
 WAYS = ("whole", "summed", "batched_weights")
 

@@ -1,6 +1,6 @@
 """Two multi-worker contenders of the throughput suite, in many alternating pairs.
 
-    python -m tfdist.benchmarks.paired [--contenders shm,mpi] [--pairs 10] [--steps 300]
+    python -m benchmarks.paired [--contenders shm,mpi] [--pairs 10] [--steps 300]
         [--workload throughput|latency]
         -> a markdown table of every pair and its ratio; benchmarks/results/paired.{csv,md}
            (--workload=latency: paired_latency.{csv,md})
@@ -26,10 +26,10 @@ import statistics
 import sys
 from typing import Callable, Dict, List, Sequence
 
-from tfdist.benchmarks import allreduce, throughput
+from benchmarks import allreduce, throughput
 from tfdist.errors import UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("tf", "tcp", "shm", "mpi")
 # Flags on top of throughput.TRAIN_FLAGS (later flags win).
 WORKLOADS = {
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     rows = run_pairs({name: runner(name, args.steps, workload=args.workload) for name in (a, b)},
                      args.pairs)
     rows.append(summary(rows, a, b))
-    from tfdist.benchmarks import report
+    from benchmarks import report
     name = "paired" if args.workload == "throughput" else f"paired_{args.workload}"
     print(report.write_all(rows, args.out_dir, name))
     return 0

@@ -247,7 +247,7 @@ def keras_io(name, title, data, loss, rate):
     """Registers conformance_keras_io.<name> (imported only when built: it imports Keras),
     with the example's dropout `rate` when random layers are on, else 0."""
     def build(random_layers):
-        from tfdist.benchmarks import conformance_keras_io
+        from benchmarks import conformance_keras_io
         return getattr(conformance_keras_io, name)(rate if random_layers else 0.0)
     ZOO[name] = ZooModel(name, "keras-io", title, build, data, loss)
 

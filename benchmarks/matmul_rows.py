@@ -1,6 +1,6 @@
 """One thread's matrix multiply by rows: what cutting a batch into micro-batches costs.
 
-    python -m tfdist.benchmarks.pinned python -m tfdist.benchmarks.matmul_rows \
+    python -m benchmarks.pinned python -m benchmarks.matmul_rows \
         [--seconds 2] [--widths 2048,2064] [--rows 256,320,512,2048] [--framework torch]
 
 For each width W and row count: GFLOP/s of a Dense layer's three products, [rows, W] x
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), default="tensorflow")
     args = parser.parse_args(argv)
     if args.framework == "torch":
-        from tfdist.benchmarks.torch_pipeline import torch_missing
+        from benchmarks.torch_pipeline import torch_missing
         if torch_missing():
             parser.error("--framework torch needs torch: pip install torch "
                          "--index-url https://download.pytorch.org/whl/cpu")

@@ -1,6 +1,6 @@
 """Pipeline overlap across worker processes, one thread each, against the schedule's formula.
 
-    python -m tfdist.benchmarks.pipeline_overlap [--steps 6] [--trials 3]
+    python -m benchmarks.pipeline_overlap [--steps 6] [--trials 3]
         [--schedules gpipe,1f1b] [--no_ceiling] [--no_in_process] [--out_dir DIR]
         -> a markdown table; benchmarks/results/pipeline_overlap.{csv,md}
 
@@ -23,7 +23,7 @@ Rows: examples/s median over alternating trials, speedup against the 1-process
 run, the formula and the ratio of the two (1.0: the schedule's ideal reached), and
 ratio_to_ceiling: that ratio with the formula scaled by (d)'s speedup / 2.
 
-Every process is pinned to a core of its own (tfdist.benchmarks.pinned): the one-process
+Every process is pinned to a core of its own (benchmarks.pinned): the one-process
 contenders to the first core, worker R to the R-th. A stage process computes on one thread
 but needs a second inter-op thread to hand its tensors over while it computes
 (tfdist/parallel/pipeline/cluster.py raises TF_NUM_INTEROP_THREADS=1 to 2); pinned, that
@@ -63,7 +63,7 @@ import time
 import json
 from typing import Callable, Dict, List, Optional, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
               "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 STAGES = 2
@@ -135,7 +135,7 @@ def run_rate(command: Sequence[str], results: str, timeout: float, attempts: int
 
 def train_command(steps: int, results: str, flags: Sequence[str], pin: bool) -> List[str]:
     """`python -m experiments.train`, writing `results`; pin: on a core of its own."""
-    pinned = [sys.executable, "-m", "tfdist.benchmarks.pinned"] if pin else []
+    pinned = [sys.executable, "-m", "benchmarks.pinned"] if pin else []
     return [*pinned, sys.executable, "-m", "experiments.train", f"--train_steps={steps}",
             f"--results_json={results}", *flags]
 
@@ -143,7 +143,7 @@ def train_command(steps: int, results: str, flags: Sequence[str], pin: bool) -> 
 def tfdist_rate(workers: int, steps: int, flags: Sequence[str], launch_flags=(),
                 timeout: float = 1800, pin: bool = False) -> float:
     """examples/s of `python -m experiments.train FLAGS`, in one process or `workers` launched;
-    pin: each process on a core of its own (tfdist.benchmarks.pinned)."""
+    pin: each process on a core of its own (benchmarks.pinned)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "r.json")
         train = train_command(steps, results, flags, pin)
@@ -345,7 +345,7 @@ def rows_from(rates: Dict[str, List[float]], meta: Dict[str, tuple],
 
 
 def write(rows: List[Dict], notes: Sequence[str], out_dir: str, name: str, title: str) -> str:
-    from tfdist.benchmarks import report
+    from benchmarks import report
     os.makedirs(out_dir, exist_ok=True)
     report.write_csv(rows, os.path.join(out_dir, f"{name}.csv"))
     text = f"{title}\n\n{report.markdown_table(rows)}"

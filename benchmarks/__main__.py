@@ -1,6 +1,6 @@
 r"""Benchmarks, written as CSV and markdown (and PNG where there is a curve).
 
-    python -m experiments.benchmark --suite=loop --out_dir=benchmarks/results
+    python -m benchmarks --suite=loop --out_dir=benchmarks/results
 
 Suites:
   loop       tfdist's training loop against a hand-written strategy.run loop
@@ -59,7 +59,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from tfdist import config as cfg  # noqa: E402
-from tfdist.benchmarks import scaling  # noqa: E402  (no TensorFlow: it runs subprocesses)
+from benchmarks import scaling  # noqa: E402  (no TensorFlow: it runs subprocesses)
 from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
@@ -107,14 +107,14 @@ def loop_configs():
 
 
 def run_loop_suite():
-    from tfdist.benchmarks import loop_overhead
+    from benchmarks import loop_overhead
     return [loop_overhead.compare(c, FLAGS.steps, FLAGS.trials) for c in loop_configs()]
 
 
 def allreduce_worker():
     """One worker of the group: sweeps sizes; the chief prints the rows as JSON lines."""
     import json
-    from tfdist.benchmarks import allreduce
+    from benchmarks import allreduce
     from tfdist.parallel import multi_worker
     collective = allreduce.VARIANTS[FLAGS.collectives][0]   # mpi_tcp: mpi, held to TCP
     config = cfg.RunConfig(strategy="multi_worker_mirrored", collective=collective,
@@ -131,7 +131,7 @@ def run_allreduce_suite():
     """Launches one worker group per collective implementation; collects the chief's rows."""
     import json
     import subprocess
-    from tfdist.benchmarks import allreduce   # TF only inside its functions: not imported here
+    from benchmarks import allreduce   # TF only inside its functions: not imported here
     rows = []
     names = allreduce.parse_collectives(_given_or("collectives", allreduce.DEFAULT_COLLECTIVES),
                                         given=FLAGS["collectives"].present)
@@ -153,14 +153,14 @@ def _given_or(name, default):
 
 def run_soak_suite():
     """No TensorFlow in this process while the jobs run: the workers get the cores."""
-    from tfdist.benchmarks import soak
+    from benchmarks import soak
     steps = _given_or("steps", 20000)
     return soak.run_suite(soak.parse_collectives(FLAGS.collectives), steps,
                           FLAGS.checkpoint_every or 200, _given_or("run_timeout", 300 + 0.1 * steps))
 
 
 def run_chaos_suite():
-    from tfdist.benchmarks import chaos
+    from benchmarks import chaos
     checkpoint_every = FLAGS.checkpoint_every or 20
     steps = _given_or("steps", chaos.default_steps(FLAGS.kills, checkpoint_every))
     return chaos.run_suite(FLAGS.kills, steps, checkpoint_every, FLAGS.chaos_seed,
@@ -179,7 +179,7 @@ def main(argv):
         if FLAGS.suite == "allreduce":
             rows = run_allreduce_suite()
         elif FLAGS.suite == "bubble":
-            from tfdist.benchmarks import bubble
+            from benchmarks import bubble
             rows = bubble.bubble_rows(stages=(2, 4), microbatches=(1, 2, 4, 8))
         elif FLAGS.suite == "scaling":
             rows = scaling.run_suite(FLAGS.scaling_modes, FLAGS.steps, FLAGS.trials,
@@ -187,17 +187,17 @@ def main(argv):
             print(scaling.write_report(rows, FLAGS.out_dir))
             return
         elif FLAGS.suite == "memory":
-            from tfdist.benchmarks import memory
+            from benchmarks import memory
             rows = memory.compare_all()
         elif FLAGS.suite == "input":
             os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-            from tfdist.benchmarks import input_pipeline  # imports TF: after the thread limits
+            from benchmarks import input_pipeline  # imports TF: after the thread limits
             rows = input_pipeline.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "api_fit":
-            from tfdist.benchmarks import api_fit
+            from benchmarks import api_fit
             rows = api_fit.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "keras_distribution":
-            from tfdist.benchmarks import keras_distribution_fit
+            from benchmarks import keras_distribution_fit
             rows = keras_distribution_fit.compare(FLAGS.steps, FLAGS.trials)
         elif FLAGS.suite == "soak":
             rows = run_soak_suite()
@@ -209,15 +209,15 @@ def main(argv):
             # (pipeline_overlap's batch of 16384 takes ~10 s a step in one process).
             given = [f"--{name}={getattr(FLAGS, name)}" for name in ("steps", "trials")
                      if FLAGS[name].present]
-            importlib.import_module(f"tfdist.benchmarks.{FLAGS.suite}").main(
+            importlib.import_module(f"benchmarks.{FLAGS.suite}").main(
                 [*given, f"--out_dir={FLAGS.out_dir}"])
             return
         elif FLAGS.suite == "conformance":
-            from tfdist.benchmarks import conformance   # no TensorFlow here: it runs processes
+            from benchmarks import conformance   # no TensorFlow here: it runs processes
             sys.exit(conformance.main([f"--models={FLAGS.models}", f"--modes={FLAGS.modes}",
                                        f"--out_dir={FLAGS.out_dir}"]))
         elif FLAGS.suite in ("throughput", "network"):
-            from tfdist.benchmarks import throughput
+            from benchmarks import throughput
             rows = throughput.compare(FLAGS.steps, FLAGS.trials, FLAGS.bytes_per_pack,
                                       networks=FLAGS.suite == "network")
         else:
@@ -230,7 +230,7 @@ def main(argv):
     except scaling.ContenderFailed as error:
         print(f"tfdist: benchmark run failed: {error}", file=sys.stderr)
         sys.exit(1)
-    from tfdist.benchmarks import report
+    from benchmarks import report
     print(report.write_all(rows, FLAGS.out_dir, FLAGS.suite))
 
 

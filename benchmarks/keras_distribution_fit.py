@@ -5,7 +5,7 @@ keras-hub GemmaCausalLM (2 layers, hidden 64, 4 heads, vocabulary 512, sequences
 32, random weights) sharded by GemmaBackbone.get_layout_map; Adam, global batch 16.
 The contenders alternate trial by trial in one process; medians and their ratio.
 
-    python -m experiments.benchmark --suite=keras_distribution
+    python -m benchmarks --suite=keras_distribution
 """
 
 import json
@@ -20,7 +20,7 @@ VOCABULARY, SEQUENCE, BATCH = 512, 32, 16
 def compare(steps: int = 40, trials: int = 3):
     """Runs the contenders in a fresh process (it needs its own 4 simulated CPUs)."""
     result = subprocess.run(
-        [sys.executable, "-m", "tfdist.benchmarks.keras_distribution_fit", str(steps),
+        [sys.executable, "-m", "benchmarks.keras_distribution_fit", str(steps),
          str(trials)], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"),
         capture_output=True, text=True, timeout=3600, check=True)
     rates = json.loads(result.stdout.strip().splitlines()[-1])

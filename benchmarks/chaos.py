@@ -1,6 +1,6 @@
 """Chaos: SIGKILLs of random workers under `tfdist launch --max_restarts`, and what survives.
 
-    from tfdist.benchmarks import chaos
+    from benchmarks import chaos
     rows = chaos.run_suite(kills=10, steps=640, checkpoint_every=20, seed=0,
                            collective="auto", timeout=900)
 
@@ -41,8 +41,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from tfdist.benchmarks import soak
-from tfdist.benchmarks.scaling import ContenderFailed
+from benchmarks import soak
+from benchmarks.scaling import ContenderFailed
 from tfdist.errors import require
 
 log = logging.getLogger("tfdist")

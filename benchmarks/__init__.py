@@ -1,0 +1,1 @@
+"""Benchmarks: library functions that return rows; benchmarks/__main__.py writes them out."""

@@ -1,1 +1,0 @@
-"""Benchmarks: library functions that return rows; experiments/benchmark.py writes them out."""

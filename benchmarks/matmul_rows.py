@@ -6,11 +6,11 @@
 For each width W and row count: GFLOP/s of a Dense layer's three products, [rows, W] x
 [W, W] (forward), its input gradient (by the transpose) and its weight gradient, each in
 a tf.function on one intra- and one inter-op thread. The pipeline overlap suite's micro-batches
-are these rows (README, "Rechecked on a slower machine").
+are these rows (docs/benchmarks.md, "Rechecked on a slower machine").
 
 Why more than one width: on a 2-core AVX2 EPYC (Zen 3) the forward product and the input
 gradient ran at half speed at 256-288 rows when W was 2048 and not when it was 2000 or 2064
-(README, "A power-of-two width"), so the width, not only the row count, decides what a
+(docs/benchmarks.md, "A power-of-two width"), so the width, not only the row count, decides what a
 micro-batch costs there. `--framework torch` times the same three products in PyTorch (one
 thread), for the side-by-side comparison with it (torch is an optional benchmark extra).
 """

@@ -31,7 +31,7 @@ threads, timing decides the order of independent ops, and the order how many
 gradients and activations are alive at once (12.5-13.6 MB idle); an input
 pipeline's threads allocate on the same device in between. Measured as now:
 9.5 MB in 18 of 22 runs and 10.5 MB in 4, idle and loaded. The rewritten
-graph's peak, which a plan also has to leave room for, is the README's.
+graph's peak, which a plan also has to leave room for, is in docs/planner.md.
 
     python -m benchmarks --suite=memory     # the CONFIGS below, one row each
 """

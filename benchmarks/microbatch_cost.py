@@ -14,7 +14,7 @@ thread, each in a tf.function, alternating, medians:
                    gradient product per layer over all of them (inputs and output gradients
                    concatenated), the lever a deferred weight gradient would give.
 The pipeline overlap suite's 2 stages in one process run at 0.82-0.91x of one process
-(README, "Pipeline overlap across worker processes"); this splits that cost.
+(docs/benchmarks.md, "Pipeline overlap across worker processes"); this splits that cost.
 """
 
 import argparse

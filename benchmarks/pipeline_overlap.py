@@ -46,9 +46,9 @@ suite measures whether the processes overlap, not how well a model happens to cu
   the step's sums (every weight gradient read and written M times), and a one-thread matrix
   multiply is slower on fewer rows. Two stages in one process ran at 0.73x of one process
   at micro-batches of 64 rows, 0.83-0.90x at 256, 0.90-0.99x at 1024, 0.98x at 2048
-  (the README's "Pipeline overlap" section, measured on a 2-core Xeon).
+  (the "Pipeline overlap" section of docs/benchmarks.md, measured on a 2-core Xeon).
 The former default (`--input_dim 2048 --hidden_sizes 2048,2048,2048,2048
---global_batch_size 2048`) still runs, and the README keeps its figures. 784-4096x4-10
+--global_batch_size 2048`) still runs, and docs/benchmarks.md keeps its figures. 784-4096x4-10
 cannot come near the formula: tfdist balances stages by parameter count and its best cut
 puts 33.6M of 53.7M parameters (63%) on one stage, a cap of 1.42x with M=8's bubble.
 """

@@ -1,4 +1,4 @@
-"""Writing benchmark rows: CSV for scripts, a markdown table for the README, PNG plots."""
+"""Writing benchmark rows: CSV for scripts, a markdown table for docs/benchmarks.md, PNG plots."""
 
 import csv
 import os

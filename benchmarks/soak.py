@@ -67,7 +67,7 @@ FAILURE_LINE = re.compile(r"worker (\d+) (exited with code -?\d+|was killed by \
 # at 40 (TensorFlow all-reduces per eval batch, the dataset distributed anew each time), so
 # about 70 KB here, 0.7 KB a step at this pace; a soak without evaluations never saw it.
 # After 9947d71's fixes this suite still measured 70-115 KB an evaluation: a new iterator per
-# evaluation, and the pipeline's eval loss left on its stage worker (both fixed; README, Soak).
+# evaluation, and the pipeline's eval loss left on its stage worker (both fixed; docs/benchmarks.md, Soak).
 EVAL_EVERY = 100
 TRAIN_FLAGS = ("--strategy=multi_worker_mirrored", "--model=mlp", "--dataset=synthetic",
                "--optimizer=adam", "--global_batch_size=64", "--seed=0",

@@ -31,7 +31,7 @@ from benchmarks import pipeline_overlap as overlap
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_pipeline_worker.py")
 TP_INPUT, TP_FFN, TP_BATCH = 4096, 16384, 64
-# The pipeline comparison's MLP and batch; the README's tfdist / PyTorch figures are for these.
+# The pipeline comparison's MLP and batch; the tfdist / PyTorch figures of docs/benchmarks.md are for these.
 PIPELINE_INPUT, PIPELINE_HIDDEN, PIPELINE_BATCH = 2048, (2048,) * 4, 512
 SCHEDULES = ("gpipe", "1f1b")
 

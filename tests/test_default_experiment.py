@@ -1,4 +1,4 @@
-"""The README's main job: `python -m experiments.train` with no flags."""
+"""The README's first command: `python -m experiments.train` with no flags."""
 
 import json
 

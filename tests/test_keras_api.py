@@ -209,7 +209,7 @@ def test_global_clipnorm_is_computed_over_every_pipeline_stage():
 def test_every_validation_reads_one_whole_pass_of_one_kept_iterator():
     """Evaluations take their batches from one iterator per evaluation data
     (EvalData.batches): a new one per evaluation kept 13-21 KB of TensorFlow's memory
-    each under tf.distribute (README, Soak). With a learning rate of 0 the model never
+    each under tf.distribute (docs/benchmarks.md, Soak). With a learning rate of 0 the model never
     changes, so every epoch's validation must equal a fresh evaluation exactly: each
     reads one whole pass from its first batch (45 examples: the last global batch
     padded). An evaluation stopped part-way must not shift the next one."""

@@ -8,7 +8,7 @@ all-reduce to every get_next of a finite dataset in multi-worker mode (its
 partial-batch handling), which the evaluation's padded split was (its dataset now
 is repeated without end: EvalData.batches). With the dataset also distributed anew per
 evaluation, 2 workers grew 120 KB an epoch of a user's fit with 40 validation batches
-(README, Soak). The traced graphs are read in 2 real worker processes
+(docs/benchmarks.md, Soak). The traced graphs are read in 2 real worker processes
 (tests/workers/step_collectives.py); under --collective=auto the same check finds
 TensorFlow's collectives, so it can see them.
 """

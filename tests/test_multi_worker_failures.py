@@ -144,7 +144,7 @@ def test_peer_killed_mid_run_ends_the_survivor_with_a_cluster_error(collective, 
 SILENT_TCP_DEFECT = pytest.mark.xfail(
     strict=False, reason="known defect, cause not found: under --collective=tcp a SIGSTOPped "
     "peer ended the survivor at 40 s (two timeouts) instead of 20 s in 1 of 4 runs on a 2-core "
-    "AVX2 EPYC; 0 of 26 hand runs were late on the AVX512 EPYC (2026-12-04, README)")
+    "AVX2 EPYC; 0 of 26 hand runs were late on the AVX512 EPYC (2026-12-04)")
 
 
 @pytest.mark.parametrize("collective", ["auto", pytest.param("tcp", marks=SILENT_TCP_DEFECT)])

@@ -224,7 +224,7 @@ def test_memory_sizes_parse_binary_and_decimal():
 
 
 def test_transient_estimate_is_within_a_third_of_the_allocator_peak():
-    """Gradients + activations against TF's allocator on one CPU device (README: errors).
+    """Gradients + activations against TF's allocator on one CPU device (docs/planner.md).
 
     In a fresh process without TF_CPU_ALLOCATOR_USE_BFC, as a user's would be: the
     allocator that keeps statistics has to be chosen before TensorFlow's devices exist,

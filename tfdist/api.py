@@ -124,6 +124,7 @@ class Strategy:
     # ------------------------------------------------------------------ what the mode is
     @property
     def num_replicas_in_sync(self) -> int:
+        """Replicas that each take a share of every global batch, over all workers."""
         return self.parallel.num_replicas
 
     @property
@@ -133,6 +134,7 @@ class Strategy:
 
     @property
     def devices(self):
+        """This process's devices the mode trains on (TensorFlow's names)."""
         return list(self.parallel.devices)
 
     @contextlib.contextmanager

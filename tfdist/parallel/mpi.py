@@ -95,7 +95,7 @@ def load_mpi():
     mpi4py.rc.finalize = True
     # Open MPI waits for a peer by polling at full speed, which takes the core from the
     # peer and the input threads when ranks share cores: 2 ranks on 2 cores trained at
-    # 0.95x shm that way, and at or above shm yielding (README, "Speed on this machine").
+    # 0.95x shm that way, and at or above shm yielding (docs/benchmarks.md, "Speed on this machine").
     # Each rank reads OMPI_MCA_* at MPI_Init, so this reaches mpirun and srun launches
     # alike; a value the user set wins.
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")

@@ -201,7 +201,7 @@ class MultiWorkerParallelism(StrategyParallelism):
         the train step's is. strategy.reduce would run a TensorFlow all-reduce over gRPC
         whatever --collective says, and each leaks in TensorFlow (tensorflow#42616):
         about 1.2 KB per eval step here (a 2-worker fit with 40 validation batches grew
-        120 KB an epoch with it, 73 KB without; README, Soak)."""
+        120 KB an epoch with it, 73 KB without; docs/benchmarks.md, Soak)."""
         replica_step, summer = step_math.replica_eval_step(model), self.summer
 
         def total(loss):

@@ -14,7 +14,7 @@ shared-memory all-reduce in the bandwidth benchmark (BUS_GBPS), yet trains no fa
 with the step's gradients (THROUGHPUT); the planner recommends what trains fastest and
 prints the bandwidth beside it.
 
-THROUGHPUT is the README's "Multi-worker throughput" table (MLP 784-1024-1024-10, 7.1 MiB
+THROUGHPUT is the "Multi-worker throughput" table of docs/benchmarks.md (MLP 784-1024-1024-10, 7.1 MiB
 of float32 gradients, 2 workers, one thread each), from
     python -m benchmarks --suite=throughput --steps=300 --trials=3
 BUS_GBPS is its "All-reduce bandwidth" table (2 worker processes; medians over three runs) of
@@ -35,7 +35,7 @@ from tfdist.plan.recommend import gib
 MB = 1 << 20
 # collective -> {message MB: bus bandwidth GB/s, median of 3 runs}. "mpi" is Open MPI's shared memory
 # (`tfdist launch --mpi`); "mpi_tcp" its TCP transport, measured, never chosen on one host.
-# Both tables: 2026-12-05, a 2-core Intel Xeon with AVX512 (README).
+# Both tables: 2026-12-05, a 2-core Intel Xeon with AVX512 (docs/benchmarks.md).
 BUS_GBPS: Dict[str, Dict[int, float]] = {
     "auto": {1: 0.23, 4: 0.37, 16: 0.34, 64: 0.31},
     "ring": {1: 0.24, 4: 0.38, 16: 0.36, 64: 0.30},
@@ -45,7 +45,7 @@ BUS_GBPS: Dict[str, Dict[int, float]] = {
     "mpi_tcp": {1: 1.85, 4: 1.55, 16: 1.39, 64: 0.81},
 }
 # collective -> examples/s of 2 workers (medians of 3 trials in one run). shm and mpi are level
-# on this workload (paired runs: README), so which leads a run is within its noise.
+# on this workload (paired runs: docs/benchmarks.md), so which leads a run is within its noise.
 THROUGHPUT = {"auto": 8814, "tcp": 14117, "shm": 18531, "mpi": 18356}
 THROUGHPUT_GRADIENT_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
 ONE_HOST = tuple(THROUGHPUT)   # what `tfdist launch` runs on one host, measured end to end
@@ -99,7 +99,7 @@ def choose(strategy: str, device_type: str, devices: int, workers: int, dtype: s
     size = nearest_size(gradient_bytes)
     moves = ", ".join(f"{c} {BUS_GBPS[c][size]:.2f}" for c in available)
     reason = (f"--collective={best}: the most examples/s measured for 2 workers on one host "
-              f"({trains}; README, Multi-worker throughput); all-reduce bus GB/s at {size} MB, "
+              f"({trains}; docs/benchmarks.md, multi-worker throughput); all-reduce bus GB/s at {size} MB, "
               f"nearest to this plan's {gib(gradient_bytes)} of gradients: {moves}")
     if not usable:
         reason += f". Without MPI ({why_not})"

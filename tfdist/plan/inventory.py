@@ -12,7 +12,7 @@ any size can be planned).
 Activation counts are an estimate (layer outputs, plus the pre-activation of
 a Dense/Conv with a non-linearity, plus attention's score and probability
 tensors; ResNet counts what its backward pass keeps); tests compare them
-with the TF allocator's peak (benchmarks/memory.py) and the README
+with the TF allocator's peak (benchmarks/memory.py) and docs/planner.md
 states the error.
 """
 

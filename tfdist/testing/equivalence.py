@@ -22,7 +22,7 @@ RTOL = 1e-5
 # 16 steps on a mesh, 1.06e-5 relative, while every kernel was within 2.5e-7 relative).
 ATOL = 1e-6
 # Optional: each comparison appends its largest error as a JSON line to this file, so one
-# run of the tests yields the figures that issue notes and the README quote.
+# run of the tests yields the figures that issue notes and the docs quote.
 REPORT_FILE = "TFDIST_EQUIVALENCE_REPORT"
 
 
@@ -393,7 +393,7 @@ def first_diverging_variable(reference: KerasRun, candidate: KerasRun, rtol: flo
 
 def describe_errors(reference: KerasRun, candidate: KerasRun) -> str:
     """The largest per-step relative loss error and per-variable relative weight error
-    (over every replica), for test logs and README tables."""
+    (over every replica), for test logs and the docs' tables."""
     loss = max_relative_loss_error(reference.record(), candidate.record())
     weight = max(relative_error(g, r) for weights in candidate.replica_weights.values()
                  for r, g in zip(reference.record().weights, weights))

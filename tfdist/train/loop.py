@@ -81,7 +81,7 @@ class EvalData:
         TensorFlow keeps about 13-21 KB of native memory from each for good (a pure-TF
         loop making iterators over one distributed dataset, measured; Python's share
         under 1 KB). One per evaluation grew every 2-worker job 32 KB an evaluation
-        (README, Soak). Why endless: in multi-worker mode tf.distribute gives a finite
+        (docs/benchmarks.md, Soak). Why endless: in multi-worker mode tf.distribute gives a finite
         dataset's iterator partial-batch handling, a TensorFlow all-reduce in every
         get_next, which runs over gRPC whatever --collective says and leaks in TensorFlow
         (tensorflow#42616); the padding makes every batch full, so repeating the split

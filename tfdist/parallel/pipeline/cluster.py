@@ -16,7 +16,7 @@ different processes compute at the same time, which is the point of a pipeline.
 Why TensorFlow's runtime and not tfdist's rings or MPI: a stage's ops, the
 crossing tensors and their order are already one TensorFlow graph, which the
 runtime partitions per task; moving activations outside it would cut the step
-into one numpy_function per crossing (see the README's measurement).
+into one numpy_function per crossing (see docs/benchmarks.md).
 
 Layout: W workers, D local devices each, S stages (S divides W). The W/S groups of
 S consecutive workers each hold one pipeline per local device: replica (g, d) runs
@@ -109,7 +109,7 @@ def marker_path(tf_config: cluster.TFConfig, task: int) -> str:
 # (which TensorFlow also gives the serving workers' eager contexts) makes them overlap. Neither
 # the servers' own pool nor a larger process-wide compute pool did. Our reading: the pool
 # that runs a stage's kernels also hands its sent tensors over, and a busy thread runs the work
-# it queued itself first. README, "Pipeline overlap". Intra-op threads stay as configured.
+# it queued itself first. docs/benchmarks.md, "Pipeline overlap". Intra-op threads stay as configured.
 MIN_INTEROP_THREADS = 2
 
 

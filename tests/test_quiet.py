@@ -65,3 +65,12 @@ def test_a_burst_larger_than_a_pipe_does_not_block_the_writer(capfd):
 def test_asking_tensorflow_for_every_log_turns_the_filter_off(monkeypatch):
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     assert not quiet.enabled()
+
+
+def test_a_process_without_stderr_still_imports_tensorflow():
+    """A daemon may run with file descriptor 2 closed: the filter steps aside."""
+    done = subprocess.run(["bash", "-c", f"'{sys.executable}' -c 'import tfdist, tensorflow; "
+                           f"print(tensorflow.constant(1).numpy())' 2>&-"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == 0 and done.stdout.strip() == "1", done

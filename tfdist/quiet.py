@@ -21,12 +21,16 @@ stops printing these lines (then this module can go).
 """
 
 import contextlib
-import fcntl
 import importlib.abc
 import os
 import re
 import sys
 import threading
+
+try:
+    import fcntl
+except ImportError:      # not POSIX: the pipe keeps its default size
+    fcntl = None
 
 SWITCH = "TFDIST_TF_LOGS"
 # What a healthy TensorFlow start prints on a machine without a GPU (TF 2.21). An absl
@@ -47,10 +51,16 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def filtered_stderr(noise=NOISE):
     """File descriptor 2 goes through a filter that drops lines matching `noise`."""
-    sys.stderr.flush()
+    try:
+        sys.stderr.flush()
+        os.fstat(2)
+    except (AttributeError, OSError, ValueError):   # no stderr (a daemon): nothing to filter
+        yield
+        return
     read_end, write_end = os.pipe()
     with contextlib.suppress(OSError):       # F_SETPIPE_SZ is Linux's; elsewhere 64 KiB
-        fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+        if fcntl is not None:
+            fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
     saved = os.dup(2)
     forwarder = threading.Thread(target=_forward, args=(read_end, saved, noise), daemon=True,
                                  name="tfdist-stderr-filter")

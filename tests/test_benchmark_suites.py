@@ -41,7 +41,7 @@ def test_the_soak_suite_also_soaks_the_pipeline_across_workers():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: soak.parse_collectives("auto,bogus"),
-     "Unknown collective 'bogus' in --collectives='auto,bogus'. Valid choices: auto, ring"),
+     "Unknown collective 'bogus' in --collectives='auto,bogus'. Valid choices: fastest, auto, ring"),
     (lambda: soak.parse_collectives(" , "), "--collectives names none, got ' , '"),
     (lambda: soak.parse_collectives("pipeline,tcp,pipeline"),
      "--collectives='pipeline,tcp,pipeline' names pipeline more than once; name each job once."),

@@ -28,6 +28,9 @@ OUTPUT_ONLY = {"text", "console", "yaml", "json", "ini", "toml"}
 SKIP_MARKER = re.compile(r"^<!--\s*example:\s*skip because (?P<reason>.+?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 TIMEOUT_SECONDS = 600
+# TensorFlow's C++ log lines (absl's format) and its GPU probing: none in an example's output.
+TENSORFLOW_LOG_LINE = re.compile(r"(^|\] )[IWE]\d{4} [\d:.]+ +\d+ \S+\.cc:\d+\]|cuInit|cudart|"
+                                 r"absl::InitializeLog")
 # Variables of a cluster, a scheduler or this test run, which a user's fresh shell lacks.
 CLEARED_ENV = re.compile(r"^(TF_CONFIG|TFDIST_.*|DTENSOR_.*|SLURM_.*|OMPI_.*|PMIX_.*|PRTE_.*|"
                          r"KERAS_DISTRIBUTION_.*|PYTEST_.*|TF_CPP_MIN_LOG_LEVEL)$")
@@ -97,6 +100,9 @@ def test_example_runs_as_written(block):
     assert done.returncode == 0, (
         f"{example_id(block)} ({block.language}) exited {done.returncode}\n"
         f"--- stdout (end)\n{done.stdout[-3000:]}\n--- stderr (end)\n{done.stderr[-5000:]}")
+    if "TFDIST_TF_LOGS" not in block.code:   # a quiet start (tfdist.quiet), what users see
+        noise = [line for line in done.stderr.splitlines() if TENSORFLOW_LOG_LINE.search(line)]
+        assert noise == [], f"{example_id(block)} printed TensorFlow's log lines: {noise[:5]}"
 
 
 def test_the_docs_have_examples_and_every_block_says_what_it_is():

@@ -74,3 +74,27 @@ def test_a_process_without_stderr_still_imports_tensorflow():
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert done.returncode == 0 and done.stdout.strip() == "1", done
+
+
+def test_only_the_first_call_goes_through_the_filter(capfd, monkeypatch):
+    """Under dtensor a step's first run (grappler optimises it then) is filtered; the
+    following runs are not, so nothing is paid per step."""
+    import re
+    monkeypatch.delenv(quiet.SWITCH, raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    step = quiet.first_call_filtered(lambda: os.write(2, b"drop me\nkeep me\n"),
+                                     re.compile("^drop"))
+    step()
+    step()
+    assert capfd.readouterr().err == "keep me\ndrop me\nkeep me\n"
+
+
+def test_tensorflows_info_lines_are_off_unless_the_environment_says_otherwise():
+    code = "import os, tfdist; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
+    for given, expected in ((None, "1"), ("3", "3")):
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+        if given is not None:
+            env["TF_CPP_MIN_LOG_LEVEL"] = given
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env=dict(env, PYTHONPATH=REPO))
+        assert done.stdout.strip() == expected, done

@@ -14,10 +14,12 @@ pipe; a thread forwards every line to the real stderr at once, except the lines 
 import, a Python warning, a crash's message) still reaches stderr as it is written. The
 filter is installed by `import tfdist` (a finder for the `tensorflow` module, as
 tfdist.lazy_keras does for Keras) and has effect when tfdist is imported before TensorFlow
-(or before Keras, which imports it). TFDIST_TF_LOGS=1, or TF_CPP_MIN_LOG_LEVEL=0 asked for
-explicitly, turns it off. The canary tests/test_upstream_canaries.py::
-test_tensorflow_still_logs_its_startup_before_absl_is_initialised fails when TensorFlow
-stops printing these lines (then this module can go).
+(or before Keras, which imports it); it also sets TF_CPP_MIN_LOG_LEVEL=1 (no INFO lines)
+unless the environment sets it. Under DTensor the first run of each step is filtered too,
+for grappler's cost-model lines (GRAPPLER_NOISE). TFDIST_TF_LOGS=1, or
+TF_CPP_MIN_LOG_LEVEL=0 asked for explicitly, turns all of it off. The canary
+tests/test_upstream_canaries.py::test_tensorflow_still_logs_its_startup_before_absl_is_initialised
+fails when TensorFlow stops printing these lines (then this module can go).
 """
 
 import contextlib
@@ -40,6 +42,11 @@ NOISE = re.compile(
     r"|[IW]\d{4} [\d:.]+ +\d+ (port\.cc|cudart_stub\.cc|cpu_feature_guard\.cc)"
     r"|E\d{4} [\d:.]+ +\d+ cuda_(platform|executor|diagnostics)\.cc:\d+\] failed call to cuInit"
     r")")
+# Grappler's cost model on a DTensor program's sharded MatMuls (keras-hub models), once per
+# device when the step is first optimised: an estimate it skips, not an error (the numbers
+# are exact). No grappler option turns it off short of the whole meta-optimizer.
+GRAPPLER_NOISE = re.compile(
+    r"^E\d{4} [\d:.]+ +\d+ op_level_cost_estimator\.cc:\d+\] Incompatible Matrix dimensions")
 PIPE_BYTES = 1 << 20   # larger than any start-up burst: the writer never waits for the GIL
 
 
@@ -74,6 +81,21 @@ def filtered_stderr(noise=NOISE):
         os.dup2(saved, 2)            # the pipe's last writer closes: the forwarder sees EOF
         forwarder.join(timeout=10)
         os.close(saved)
+
+
+def first_call_filtered(call, noise=GRAPPLER_NOISE):
+    """call, whose first run (where TensorFlow optimises the traced graph) goes through the
+    filter; later runs go straight through, with no thread or pipe per step."""
+    called = []
+
+    def run(*args, **kwargs):
+        if called or not enabled():
+            return call(*args, **kwargs)
+        called.append(True)
+        with filtered_stderr(noise):
+            return call(*args, **kwargs)
+
+    return run
 
 
 def _forward(read_end: int, target: int, noise) -> None:
@@ -134,5 +156,8 @@ def filter_tensorflow_startup() -> bool:
         return True
     if not enabled() or "tensorflow" in sys.modules:
         return False
+    # TensorFlow's INFO lines too (DTensor's "cache key lookup missed ..." at every new
+    # program), as `python -m experiments.train` does; warnings and errors still show.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     sys.meta_path.insert(0, _QuietTensorFlowFinder())
     return True

@@ -53,7 +53,8 @@ def load_function(spec: str, flag: str) -> Callable:
     function = getattr(module, function_name)
     if not callable(function):
         raise UsageError(
-            f"{flag}={spec!r}: {module_name}.{function_name} is {with_article(type(function).__name__)} "
+            f"{flag}={spec!r}: {module_name}.{function_name} is "
+            f"{with_article(type(function).__name__)} "
             f"({_short_repr(function)}), not a function. "
             f"{_callables_hint(module)}")
     return function
@@ -189,6 +190,6 @@ def build_user_model(spec: str, flag: str = "--model"):
     if type(model).__module__.startswith("tf_keras"):
         hint = " That is a Keras 2 (tf_keras) model; tfdist needs Keras 3: `import keras`."
     raise UsageError(
-        f"{flag}={spec!r} returned {with_article(type_name(model))}, not a keras.Model. FUNCTION() must "
-        f"build and return an uncompiled Keras 3 model (keras.Sequential, a functional "
-        f"keras.Model, or a keras.Model subclass).{hint}")
+        f"{flag}={spec!r} returned {with_article(type_name(model))}, not a keras.Model. "
+        f"FUNCTION() must build and return an uncompiled Keras 3 model (keras.Sequential, "
+        f"a functional keras.Model, or a keras.Model subclass).{hint}")

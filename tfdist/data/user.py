@@ -26,9 +26,9 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfdist import user_code
 from tfdist.data import pipeline
 from tfdist.data.base import DatasetInfo, DatasetSource
-from tfdist import user_code
 from tfdist.errors import UsageError
 
 ACCEPTED = ("a tf.data.Dataset of unbatched (features, label[, sample_weight]) examples, "
@@ -356,13 +356,13 @@ def load_user_datasets(spec: str, flag: str = "--dataset"):
     Each of train and test is a tf.data.Dataset of unbatched (features, label) or
     (features, label, sample_weight) examples, or a tuple of NumPy arrays
     (x, y) / (x, y, sample_weight); test may be None. Returns them validated, as
-    tf.data.Datasets of known length (as_user_dataset), test
-    possibly None.
+    tf.data.Datasets of known length (as_user_dataset), test possibly None.
     """
     result = user_code.call_without_arguments(user_code.load_function(spec, flag), spec, flag)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         got = (f"a {type(result).__name__} of length {len(result)}"
-               if isinstance(result, (tuple, list)) else user_code.with_article(user_code.type_name(result)))
+               if isinstance(result, (tuple, list))
+               else user_code.with_article(user_code.type_name(result)))
         raise UsageError(
             f"{flag}={spec!r} returned {got}; FUNCTION() must return (train, test), each a "
             f"tf.data.Dataset of unbatched (features, label[, sample_weight]) examples or a "

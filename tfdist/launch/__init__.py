@@ -71,6 +71,10 @@ Exit status: 0 when every worker succeeds; otherwise the first failing worker's
 exit code (128+N for a worker killed by signal N); 124 when --start_timeout
 expires; 128+N when the launcher got signal N and the workers still exited
 cleanly; 2 for a usage error (bad flags, a command that cannot be found).
+
+Modules: options.py (the flags), group.py (each attempt's ports and environments),
+mpirun.py (--mpi), output.py (prefixed whole lines), workers.py (start, watch, end);
+this file runs the attempts.
 """
 
 import os

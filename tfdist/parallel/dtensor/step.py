@@ -17,6 +17,7 @@ The step returns a replicated scalar; its local component is the global value.
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist import quiet
 from tfdist.parallel.dtensor import mesh as mesh_lib
 from tfdist.parallel.dtensor import rewrites, sharding, update
 from tfdist.train import step as step_math
@@ -100,6 +101,7 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
         on_outputs(outputs_on_host(result[1]))
         return local_value(result[0])
 
+    train_step = quiet.first_call_filtered(train_step)   # grappler's cost-model lines
     train_step.sharded_step = sharded_step  # for graph inspection in tests
     return train_step
 
@@ -119,7 +121,7 @@ def make_predict_step(model, mesh):
             lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(mesh, t.shape.rank)), x)
         return tf.nest.map_structure(local_value, sharded_predict(packed))
 
-    return predict
+    return quiet.first_call_filtered(predict)   # grappler's cost-model lines
 
 
 def make_eval_step(model, on_outputs=None):
@@ -138,4 +140,4 @@ def make_eval_step(model, on_outputs=None):
             on_outputs(outputs_on_host(outputs))
         return local_value(loss)
 
-    return eval_step
+    return quiet.first_call_filtered(eval_step)   # grappler's cost-model lines

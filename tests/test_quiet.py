@@ -91,7 +91,7 @@ def test_only_the_first_call_goes_through_the_filter(capfd, monkeypatch):
 
 def test_tensorflows_info_lines_are_off_unless_the_environment_says_otherwise():
     code = "import os, tfdist; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
-    for given, expected in ((None, "1"), ("3", "3")):
+    for given, expected in ((None, "2"), ("3", "3")):
         env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
         if given is not None:
             env["TF_CPP_MIN_LOG_LEVEL"] = given

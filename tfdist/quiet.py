@@ -14,8 +14,8 @@ pipe; a thread forwards every line to the real stderr at once, except the lines 
 import, a Python warning, a crash's message) still reaches stderr as it is written. The
 filter is installed by `import tfdist` (a finder for the `tensorflow` module, as
 tfdist.lazy_keras does for Keras) and has effect when tfdist is imported before TensorFlow
-(or before Keras, which imports it); it also sets TF_CPP_MIN_LOG_LEVEL=1 (no INFO lines)
-unless the environment sets it. Under DTensor the first run of each step is filtered too,
+(or before Keras, which imports it); it also sets TF_CPP_MIN_LOG_LEVEL=2 (no INFO or WARNING
+lines, as the CLI) unless the environment sets it. Under DTensor the first run of each step is filtered too,
 for grappler's cost-model lines (GRAPPLER_NOISE). TFDIST_TF_LOGS=1, or
 TF_CPP_MIN_LOG_LEVEL=0 asked for explicitly, turns all of it off. The canary
 tests/test_upstream_canaries.py::test_tensorflow_still_logs_its_startup_before_absl_is_initialised
@@ -156,8 +156,9 @@ def filter_tensorflow_startup() -> bool:
         return True
     if not enabled() or "tensorflow" in sys.modules:
         return False
-    # TensorFlow's INFO lines too (DTensor's "cache key lookup missed ..." at every new
-    # program), as `python -m experiments.train` does; warnings and errors still show.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # TensorFlow's INFO and WARNING lines too, as `python -m experiments.train` has always
+    # done: DTensor's "cache key lookup missed ..." at every new program, tf.data's notes on
+    # generators it cannot optimise and caches a bounded run leaves unread. Errors show.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.meta_path.insert(0, _QuietTensorFlowFinder())
     return True

@@ -66,6 +66,15 @@ def launcher_of(env: Mapping[str, str]) -> Optional[str]:
     return None
 
 
+def chosen_launcher(env: Mapping[str, str]) -> Optional[str]:
+    """launcher_of(env), when the user chose MPI to start this process: mpirun or mpiexec,
+    or a PMI launch outside Slurm. Under Slurm, srun sets PMIx or PMI variables whenever the
+    cluster's default MPI plugin is on, whether or not the job uses MPI."""
+    if "OMPI_COMM_WORLD_SIZE" in env or "MPI_LOCALNRANKS" in env or "SLURM_PROCID" not in env:
+        return launcher_of(env)
+    return None
+
+
 def rank_hint(env: Mapping[str, str]) -> str:
     """This process's rank as the launcher told it (before MPI is initialised), for messages."""
     for name in RANK_VARIABLES:

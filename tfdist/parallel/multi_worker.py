@@ -362,9 +362,10 @@ def choose_collective(config):
     The rule, from what the planner measured (tfdist.plan.collectives.THROUGHPUT): GPUs
     sum over NCCL; tfdist's own all-reduces (2.1x TF's on one host) serve one CPU device
     per worker in tfdist's loop without float16 loss scaling (check_tcp_ring_config), as
-    `mpi` when an MPI launcher started the workers, as the fastest of tcp and shm when
-    every worker is on this host; everything else keeps TensorFlow's own (auto), as do
-    workers on several hosts, where tfdist's tcp ring needs $TFDIST_JOB_SECRET."""
+    `mpi` when the user started the workers with MPI (mpi.chosen_launcher), as the
+    fastest of tcp and shm when every worker is on this host; everything else keeps
+    TensorFlow's own (auto), as do workers on several hosts, where tfdist's tcp ring needs
+    $TFDIST_JOB_SECRET."""
     if config.collective != FASTEST:
         return config
     chosen, why = _fastest_collective(config)
@@ -384,7 +385,7 @@ def _fastest_collective(config):
         return "auto", f"--trainer={config.trainer}: tfdist's all-reduces serve its own loop"
     if config.mixed_precision == "mixed_float16":
         return "auto", "mixed_float16: its loss scale checks gradients before they are summed"
-    launcher = mpi.launcher_of(os.environ)
+    launcher = mpi.chosen_launcher(os.environ)
     if launcher is not None:
         if importlib.util.find_spec("mpi4py") is None:
             return "auto", f"started by {launcher}, but mpi4py is not installed"

@@ -8,8 +8,8 @@ with them deferred against 5.23 s without (`python -m benchmarks.import_time`),
 paid by every worker of every launch and every restart. No upstream issue asks for
 these imports to be lazy (searched keras-team/keras, 2026-12).
 
-How: a finder at the front of sys.meta_path finds these modules' specs with the other
-finders and wraps their loaders in importlib.util.LazyLoader, so `from keras import
+How: a finder at the front of sys.meta_path (tfdist.import_hooks) finds these modules' specs
+with the other finders and wraps their loaders in importlib.util.LazyLoader, so `from keras import
 wrappers` binds a module whose code runs on its first attribute access. Nothing else
 changes: `keras.wrappers.SKLearnClassifier`, `tf.keras.visualization` and
 `from keras.wrappers import SKLearnRegressor` work as before, a moment later. One limit:
@@ -24,12 +24,14 @@ when Keras stops importing them eagerly (then this module can go) or when the de
 stops working.
 """
 
-import importlib.abc
 import importlib.util
 import os
 import sys
 
+from tfdist import import_hooks
+
 OPT_OUT = "TFDIST_EAGER_KERAS_IMPORTS"
+PURPOSE = "load the Keras modules training never uses on first use"
 # Keras' public module and its tf.keras alias for each; keras.src.visualization because
 # keras.src's own __init__ imports it. Keras and TensorFlow import none of them for training.
 DEFERRED = frozenset({
@@ -38,28 +40,11 @@ DEFERRED = frozenset({
 })
 
 
-class _DeferringFinder(importlib.abc.MetaPathFinder):
-    """Finds a DEFERRED module as the next finders do, but loads it lazily."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in DEFERRED:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = importlib.util.LazyLoader(spec.loader)
-                return spec
-        return None
-
-
 def defer_unused_keras_modules() -> bool:
     """Installs the finder once; True if it is installed (Keras not yet imported, no opt-out)."""
-    if any(isinstance(f, _DeferringFinder) for f in sys.meta_path):
+    if import_hooks.installed(PURPOSE):
         return True
     if os.environ.get(OPT_OUT) == "1" or "keras" in sys.modules:
         return False
-    sys.meta_path.insert(0, _DeferringFinder())
+    import_hooks.install(PURPOSE, DEFERRED, importlib.util.LazyLoader)
     return True

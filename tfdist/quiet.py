@@ -12,12 +12,13 @@ How: while TensorFlow is imported and lists its physical devices, file descripto
 pipe; a thread forwards every line to the real stderr at once, except the lines in NOISE
 (patterns of what a healthy start prints, nothing else). Anything else (an error in the
 import, a Python warning, a crash's message) still reaches stderr as it is written. The
-filter is installed by `import tfdist` (a finder for the `tensorflow` module, as
-tfdist.lazy_keras does for Keras) and has effect when tfdist is imported before TensorFlow
-(or before Keras, which imports it); it also sets TF_CPP_MIN_LOG_LEVEL=2 (no INFO or WARNING
-lines, as the CLI) unless the environment sets it. Under DTensor the first run of each step is filtered too,
-for grappler's cost-model lines (GRAPPLER_NOISE). TFDIST_TF_LOGS=1, or
-TF_CPP_MIN_LOG_LEVEL=0 asked for explicitly, turns all of it off. The canary
+filter is installed by `import tfdist` (a finder for the `tensorflow` module,
+tfdist.import_hooks, as tfdist.lazy_keras has for Keras) and has effect when tfdist is
+imported before TensorFlow (or before Keras, which imports it); it also sets
+TF_CPP_MIN_LOG_LEVEL=2 (no INFO or WARNING lines, as the CLI) unless the environment sets
+it. Under DTensor the first run of each step is filtered too, for grappler's cost-model
+lines (GRAPPLER_NOISE). TFDIST_TF_LOGS=1, or TF_CPP_MIN_LOG_LEVEL=0 asked for explicitly,
+turns all of it off. The canary
 tests/test_upstream_canaries.py::test_tensorflow_still_logs_its_startup_before_absl_is_initialised
 fails when TensorFlow stops printing these lines (then this module can go).
 """
@@ -29,12 +30,15 @@ import re
 import sys
 import threading
 
+from tfdist import import_hooks
+
 try:
     import fcntl
 except ImportError:      # not POSIX: the pipe keeps its default size
     fcntl = None
 
 SWITCH = "TFDIST_TF_LOGS"
+PURPOSE = "import TensorFlow with its start-up lines filtered"
 # What a healthy TensorFlow start prints on a machine without a GPU (TF 2.21). An absl
 # line reads "I0000 00:00:1796619734.949354    2470 port.cc:153] ...".
 NOISE = re.compile(
@@ -114,25 +118,10 @@ def _write_unless_noise(target: int, line: bytes, noise) -> None:
         os.write(target, line)
 
 
-class _QuietTensorFlowFinder(importlib.abc.MetaPathFinder):
-    """Finds `tensorflow` as the next finders do; its loader runs inside the filter, and
-    then lists the physical devices there too (where the cuInit line is printed)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "tensorflow":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _QuietLoader(spec.loader)
-                return spec
-        return None
-
-
 class _QuietLoader(importlib.abc.Loader):
+    """TensorFlow's loader, run inside the filter; then the physical devices are listed
+    there too (where the cuInit line is printed)."""
+
     def __init__(self, loader):
         self._loader = loader
 
@@ -152,7 +141,7 @@ class _QuietLoader(importlib.abc.Loader):
 
 def filter_tensorflow_startup() -> bool:
     """Installs the finder once; True if installed (TensorFlow not yet imported, not off)."""
-    if any(isinstance(f, _QuietTensorFlowFinder) for f in sys.meta_path):
+    if import_hooks.installed(PURPOSE):
         return True
     if not enabled() or "tensorflow" in sys.modules:
         return False
@@ -160,5 +149,5 @@ def filter_tensorflow_startup() -> bool:
     # done: DTensor's "cache key lookup missed ..." at every new program, tf.data's notes on
     # generators it cannot optimise and caches a bounded run leaves unread. Errors show.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.meta_path.insert(0, _QuietTensorFlowFinder())
+    import_hooks.install(PURPOSE, ["tensorflow"], _QuietLoader)
     return True

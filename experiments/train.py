@@ -98,6 +98,9 @@ flags.DEFINE_bool("jit_compile", False, "XLA-compile the forward and backward pa
 flags.DEFINE_enum("batch_statistics", "global", list(cfg.BATCH_STATISTICS),
                   "Data parallel: BatchNormalization by the global batch's statistics "
                   "(one device's math) or per_replica (cheaper, not exact).")
+flags.DEFINE_integer("accumulation_steps", 1, "Gradient accumulation: each global batch in K "
+                     "micro-batches, one optimizer update (less activation memory; the same "
+                     "numbers as the whole batch at once).")
 # Outputs.
 flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun to resume.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
@@ -142,7 +145,8 @@ def config_from_flags() -> cfg.RunConfig:
         keep_checkpoints=FLAGS.keep_checkpoints, results_json=FLAGS.results_json,
         eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
-        trainer=FLAGS.trainer, batch_statistics=FLAGS.batch_statistics)
+        trainer=FLAGS.trainer, batch_statistics=FLAGS.batch_statistics,
+        accumulation_steps=FLAGS.accumulation_steps)
 
 
 def _names(text):

@@ -2,7 +2,6 @@
 train one independent copy per worker: it is exit 2 before TensorFlow starts."""
 
 import json
-import os
 import re
 import subprocess
 import sys

@@ -74,8 +74,9 @@ class Strategy:
 
     `strategy` is a mode name (default, one_device, mirrored, multi_worker_mirrored,
     dtensor, pipeline); `options` are RunConfig fields (simulate_devices, mesh,
-    layout, pipeline_stages, microbatches, pipeline_split, collective, model_dir,
-    checkpoint_every, seed, ...), validated here, before TensorFlow does anything.
+    layout, pipeline_stages, microbatches, pipeline_split, collective,
+    accumulation_steps, model_dir, checkpoint_every, seed, ...), validated here, before
+    TensorFlow does anything.
     """
 
     def __init__(self, strategy: str = "default", **options):
@@ -370,7 +371,7 @@ class Strategy:
         """`previous`: the adoption before a new compile; the model then runs through
         the mode's predict step for the checks (under dtensor it is sharded in place)."""
         from tfdist.parallel.base import require_compiled
-        from tfdist.train import checks, guarantee, metrics
+        from tfdist.train import accumulation, checks, guarantee, metrics
         _require_keras_model(model)
         if not model.built:
             from tfdist.train import step as step_math
@@ -382,6 +383,8 @@ class Strategy:
         checks.check_model_on_example(model, sample_batch, predict)
         metrics.build_metrics(model, sample_batch, predict)
         if training:   # what exactness does not cover in this model, said once
+            accumulation.refuse_keras_accumulation(model)
+            accumulation.check_model(model, self.config.accumulation_steps, self.parallel.name)
             guarantee.announce(model, self.parallel.name)
         trained, optimizer, loaded, set_aside = self._adopt_with_optimizer(model, training)
         adoption = _Adoption(trained, optimizer, model.optimizer, loaded, set_aside)

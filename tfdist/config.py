@@ -133,6 +133,9 @@ class RunConfig:
     # data parallel: BatchNormalization by the global batch's statistics (one device's
     # math) or each replica's own ("per_replica": cheaper, not exact); train/batch_stats.py
     batch_statistics: str = "global"
+    # K micro-batches of each global batch, their gradients summed, one optimizer update
+    # (train/accumulation.py); 1: the whole batch at once
+    accumulation_steps: int = 1
 
     def __post_init__(self):
         from tfdist import parallel
@@ -141,6 +144,7 @@ class RunConfig:
         _one_of("cross_device_ops", self.cross_device_ops, CROSS_DEVICE_OPS)
         _one_of("trainer", self.trainer, TRAINERS)
         _one_of("batch_statistics", self.batch_statistics, BATCH_STATISTICS)
+        self._validate_accumulation()
         if self.mixed_precision is not None:
             _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         require(self.simulate_devices >= AUTO,
@@ -180,6 +184,13 @@ class RunConfig:
             check_writable_dir(os.path.dirname(os.path.abspath(self.save_model)), "--save_model")
         if self.export_dir:
             check_writable_dir(os.path.dirname(os.path.abspath(self.export_dir)), "--export_dir")
+
+    def _validate_accumulation(self):
+        _positive("accumulation_steps", self.accumulation_steps)
+        require(self.accumulation_steps == 1 or self.trainer == "loop",
+                f"--accumulation_steps={self.accumulation_steps} works with --trainer=loop "
+                f"(tfdist's step splits the batch); got --trainer={self.trainer}, whose Keras "
+                f"fit steps take the batch whole. Use --trainer=loop.")
 
     def _validate_profile_steps(self):
         if self.profile_steps is None:

@@ -1,7 +1,7 @@
 """A multi-worker test worker: the keras-io-shaped models of tests/keras_io_models.py
 through the public API under multi_worker_mirrored, one launch for several cases.
 
-    python tests/workers/keras_io_cases.py COLLECTIVE CASES OUT_DIR
+    python tests/workers/keras_io_cases.py COLLECTIVE CASES OUT_DIR [OPTION=INT ...]
 
 CASES is "model:optimizer,..."; every worker writes OUT_DIR/MODEL_OPTIMIZER.rankR.json
 (per-step losses, the logs its callbacks saw) and .npz (final weights, then the frozen variables' initial values).
@@ -22,12 +22,14 @@ import keras_io_models  # noqa: E402
 from tfdist.testing import equivalence  # noqa: E402
 
 
-def main(collective: str, cases: str, out_dir: str) -> None:
+def main(collective: str, cases: str, out_dir: str, *options: str) -> None:
+    """`options`: further tfdist.Strategy options as NAME=INT (accumulation_steps=4)."""
     import keras
     import tfdist
     rank = os.environ.get("TFDIST_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    extra = {name: int(value) for name, value in (o.split("=") for o in options)}
     strategy = tfdist.Strategy("multi_worker_mirrored", collective=collective, seed=0,
-                               simulate_devices=0)
+                               simulate_devices=0, **extra)
     for case in cases.split(","):
         name, optimizer = case.split(":")
         build, x, y, fit_kwargs = keras_io_models.case(name, optimizer)

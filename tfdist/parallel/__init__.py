@@ -38,7 +38,9 @@ MODES_THAT_SPAN_WORKERS = (
 
 def build_parallelism(config):
     """Returns the Parallelism for a RunConfig (devices must be configured first)."""
-    return MODES.get(config.strategy)(config)
+    parallel = MODES.get(config.strategy)(config)
+    parallel.accumulation_steps = config.accumulation_steps   # train/accumulation.py
+    return parallel
 
 
 def spanned_cluster(strategy: str, env: Optional[Mapping[str, str]] = None):

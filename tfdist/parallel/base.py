@@ -23,12 +23,20 @@ class Parallelism(abc.ABC):
     devices: List[str]
     is_chief: bool = True      # the process that writes results, logs and checkpoints
     _scratch_dirs = ()         # write_dir's scratch dirs, removed by close()
+    accumulation_steps: int = 1   # micro-batches per replica batch (train/accumulation.py)
 
     def validate_global_batch(self, global_batch_size: int) -> None:
         require(global_batch_size % self.num_replicas == 0,
                 f"--global_batch_size={global_batch_size} is not divisible by the "
                 f"{self.num_replicas} replicas of strategy '{self.name}' "
                 f"(devices: {', '.join(self.devices)}). Use a multiple of {self.num_replicas}.")
+        steps = self.accumulation_steps
+        per_replica = global_batch_size // self.num_replicas
+        require(per_replica % steps == 0,
+                f"--global_batch_size={global_batch_size} gives each of the {self.num_replicas} "
+                f"replicas of strategy '{self.name}' {per_replica} examples, which "
+                f"--accumulation_steps={steps} cannot cut into equal micro-batches. Use a "
+                f"multiple of {self.num_replicas * steps}.")
 
     def scope(self):
         """Context in which the model and optimizer variables are created."""

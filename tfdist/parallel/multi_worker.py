@@ -237,7 +237,7 @@ class MultiWorkerParallelism(StrategyParallelism):
                     if isinstance(self.reducer, shm_ring.SharedMemoryAllReduce) else None)
         replica_step = ring_replica_step(self.reducer, model, optimizer, jit_compile,
                                          self.tf_config.rank, self.tf_config.num_workers,
-                                         on_trace)
+                                         on_trace, self.accumulation_steps)
 
         @tf.function
         def train_step(iterator):
@@ -504,7 +504,7 @@ def connect_ring(parallel: MultiWorkerParallelism, timeout: float,
 
 
 def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
-                      num_workers: int, on_trace=None):
+                      num_workers: int, on_trace=None, accumulation_steps: int = 1):
     """The replica step with gradients and loss summed in one buffer by `reducer`
     (a TcpRing, or a SharedMemoryAllReduce: both have all_reduce_arrays).
 
@@ -521,7 +521,8 @@ def ring_replica_step(reducer, model, optimizer, jit_compile: bool, rank: int,
     `on_trace(shapes, dtype)`, if given, is called in Python while the step is traced,
     with the shapes of the arrays every step will sum and the dtype it sums them in.
     """
-    loss_and_grads = step_math.make_loss_and_grads(model, optimizer, jit_compile)
+    loss_and_grads = step_math.make_loss_and_grads(model, optimizer, jit_compile,
+                                                   accumulation_steps)
     variables = model.trainable_variables
 
     def sum_keeping_the_loss(*arrays):

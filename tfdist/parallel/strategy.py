@@ -9,7 +9,6 @@ already divided by the global batch).
 import collections
 from typing import Dict, List
 
-import keras
 import tensorflow as tf
 
 from tfdist import devices
@@ -59,7 +58,8 @@ class StrategyParallelism(Parallelism):
             _refuse_synchronized_norms_under_xla(model, self.num_replicas,
                                                  self.batch_statistics)
         del global_batch_size  # the replicas' equal batches make Keras' loss scaling exact
-        replica_step = step_math.make_replica_train_step(model, optimizer, jit_compile)
+        replica_step = step_math.make_replica_train_step(model, optimizer, jit_compile,
+                                                         self.accumulation_steps)
         return self._summing_step(replica_step, on_outputs)
 
     def make_eval_step(self, model, on_outputs=None):

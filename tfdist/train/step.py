@@ -14,12 +14,8 @@ scale by `batch_fraction` below.
 import keras
 import tensorflow as tf
 
-from tfdist.train import keras_fixes, sparse_rows
+from tfdist.train import accumulation, keras_fixes, sparse_rows
 
-# Keras' reductions that make a mean of replica means the global mean (the
-# default), or a sum of replica sums the global sum. "mean_with_sample_weight"
-# divides by each replica's own weight sum, which no split of the batch keeps.
-EXACT_REDUCTIONS = ("sum_over_batch_size", "sum", "mean")
 
 
 def split_batch(batch):
@@ -57,16 +53,9 @@ def forward_loss(model, x, y, sample_weight, training: bool):
     return loss, y_pred
 
 
-def loss_reductions(model):
-    """The reduction of every compiled loss ('sum_over_batch_size' for names and
-    plain functions, which Keras wraps with its default)."""
-    losses = keras.tree.flatten(model.loss) if model.loss is not None else []
-    return [loss.reduction if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
-            for loss in losses]
-
-
-def make_loss_and_grads(model, optimizer, jit_compile: bool):
-    """Returns fn(x, y, w) -> (loss, grads, y_pred); XLA-compiled when asked.
+def make_loss_and_grads(model, optimizer, jit_compile: bool, accumulation_steps: int = 1):
+    """Returns fn(x, y, w) -> (loss, grads, y_pred); XLA-compiled when asked; over
+    `accumulation_steps` micro-batches when more than 1 (train/accumulation.py).
 
     Only the XLA case is a nested tf.function: a synchronized BatchNorm all-reduces
     its batch statistics (a merge_call), which TF refuses inside a nested
@@ -75,21 +64,25 @@ def make_loss_and_grads(model, optimizer, jit_compile: bool):
     graph sees only the call), so the compiled function reads that inside and hands
     it on (sparse_rows.carry_kinds).
     """
+    weight = (1.0 if accumulation_steps == 1
+              else accumulation.weight_of_each(model, accumulation_steps))
 
     def loss_and_grads(x, y, w):
         with tf.GradientTape() as tape:
             loss, y_pred = forward_loss(model, x, y, w, training=True)
+            if weight != 1.0:   # a micro-batch's share of the batch's loss
+                loss = loss * tf.cast(weight, loss.dtype)
             scaled = optimizer.scale_loss(loss)  # loss scaling under mixed_float16, else identity
         grads = tape.gradient(scaled, model.trainable_variables)
         return loss, grads, y_pred
 
-    if not jit_compile:
-        return loss_and_grads
-    return sparse_rows.carry_kinds(tf.function(sparse_rows.recording_kinds(loss_and_grads),
-                                               jit_compile=True))
+    if jit_compile:
+        loss_and_grads = sparse_rows.carry_kinds(
+            tf.function(sparse_rows.recording_kinds(loss_and_grads), jit_compile=True))
+    return accumulation.accumulate(loss_and_grads, accumulation_steps)
 
 
-def make_replica_train_step(model, optimizer, jit_compile: bool):
+def make_replica_train_step(model, optimizer, jit_compile: bool, accumulation_steps: int = 1):
     """Returns fn(batch) -> (this replica's share of the loss, (y, y_pred, w)); applies
     the update.
 
@@ -99,7 +92,7 @@ def make_replica_train_step(model, optimizer, jit_compile: bool):
     which is not the clipping of the global batch's gradient that one device does;
     and its all-reduce concatenates every sparse gradient's rows, which is one
     device's update only for rows the batch chose (tfdist/train/sparse_rows.py)."""
-    loss_and_grads = make_loss_and_grads(model, optimizer, jit_compile)
+    loss_and_grads = make_loss_and_grads(model, optimizer, jit_compile, accumulation_steps)
     variables = model.trainable_variables
 
     def replica_step(batch):

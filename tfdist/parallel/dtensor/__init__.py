@@ -106,7 +106,7 @@ class DTensorParallelism(Parallelism):
                              "compiles its own SPMD program); drop the flag.")
         from tfdist.parallel.dtensor import step
         return step.make_train_step(model, optimizer, self.slots, global_batch_size,
-                                    on_outputs)
+                                    on_outputs, self.accumulation_steps)
 
     def make_eval_step(self, model, on_outputs=None):
         from tfdist.parallel.dtensor import step

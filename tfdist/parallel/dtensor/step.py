@@ -20,7 +20,7 @@ from tensorflow.experimental import dtensor
 from tfdist import quiet
 from tfdist.parallel.dtensor import mesh as mesh_lib
 from tfdist.parallel.dtensor import rewrites, sharding, update
-from tfdist.train import step as step_math
+from tfdist.train import accumulation, step as step_math
 
 
 class ShardedInputs:
@@ -66,27 +66,40 @@ def outputs_on_host(outputs):
     return tf.nest.map_structure(lambda t: local_value(t), outputs)
 
 
-def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=None):
+def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=None,
+                    accumulation_steps: int = 1):
     """The loss is Keras' compiled loss on the whole (logical) global batch: one
     program over the mesh, so no replica scaling is involved. on_outputs (the
     metrics' update, plain TF variables) runs after the DTensor program, on the
-    gathered (y, y_pred, w)."""
+    gathered (y, y_pred, w). With accumulation_steps=K the batch is computed in K
+    micro-batches, each holding 1/K of every device's shard (micro_batches)."""
     with_outputs = on_outputs is not None
     del global_batch_size
     variables = model.trainable_variables
     layouts = [sharding.layout_of(v) for v in variables]
     gather = replicated(layouts[0].mesh)
+    weight = (1.0 if accumulation_steps == 1
+              else accumulation.weight_of_each(model, accumulation_steps))
 
-    # Inline, not a nested tf.function: see update.py.
-    @tf.function
-    def sharded_step(batch):
-        x, y, w = step_math.split_batch(batch)
+    def loss_and_grads(x, y, w):
         # This body runs only while tracing: the few ops DTensor cannot run are rewritten
         # (rewrites.py); everything else is TensorFlow's own.
         with rewrites.dtensor_runnable_ops():
             with tf.GradientTape() as tape:
                 loss, y_pred = step_math.forward_loss(model, x, y, w, training=True)
+                if weight != 1.0:   # a micro-batch's share of the batch's loss
+                    loss = loss * tf.cast(weight, loss.dtype)
             grads = tape.gradient(loss, variables)
+        return loss, grads, y_pred
+
+    cut, join = micro_batches(layouts[0].mesh)
+    loss_and_grads = accumulation.accumulate(loss_and_grads, accumulation_steps, cut, join)
+
+    # Inline, not a nested tf.function: see update.py.
+    @tf.function
+    def sharded_step(batch):
+        x, y, w = step_math.split_batch(batch)
+        loss, grads, y_pred = loss_and_grads(x, y, w)
         # Gradients are brought to their variable's layout inside (a no-op when
         # DTensor's propagation already chose it).
         update.apply(optimizer, slots, grads, variables, layouts)
@@ -104,6 +117,36 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
     train_step = quiet.first_call_filtered(train_step)   # grappler's cost-model lines
     train_step.sharded_step = sharded_step  # for graph inspection in tests
     return train_step
+
+
+def micro_batches(mesh):
+    """(cut, join) for accumulation.accumulate on batch-sharded tensors.
+
+    DTensor cannot split a tensor along a sharded axis ("Spliting over sharded
+    dimension is not supported", TF 2.21), and a micro-batch of consecutive examples
+    would sit on a few devices only. So micro-batch k takes the k-th piece of every
+    device's shard: the batch seen as (devices, K, m, ...) with devices on `batch`,
+    which is every device's own memory reshaped, no communication. join is its
+    inverse: the micro-batches' outputs back in the batch's order."""
+    devices = mesh.dim_size(mesh_lib.BATCH)
+
+    def sharded_first(tensor, rank):
+        return dtensor.relayout(tensor, dtensor.Layout(
+            [mesh_lib.BATCH] + [dtensor.UNSHARDED] * (rank - 1), mesh))
+
+    def cut(tensor, steps):
+        rest = tensor.shape[1:]
+        grouped = tf.reshape(tensor, [devices, steps, -1, *rest])
+        grouped = sharded_first(grouped, grouped.shape.rank)
+        return [sharded_first(tf.reshape(grouped[:, k], [-1, *rest]), tensor.shape.rank)
+                for k in range(steps)]
+
+    def join(pieces):
+        rest = pieces[0].shape[1:]
+        stacked = tf.stack([tf.reshape(p, [devices, -1, *rest]) for p in pieces], axis=1)
+        return tf.reshape(sharded_first(stacked, stacked.shape.rank), [-1, *rest])
+
+    return cut, join
 
 
 def make_predict_step(model, mesh):

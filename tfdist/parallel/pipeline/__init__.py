@@ -11,8 +11,8 @@ batches (one input pipeline), splits each into M micro-batches and runs the
 schedule (schedule.py); a step is mathematically the full-batch step of one device.
 Modules: parallelism.py (the mode on local devices), cluster.py (stages across
 workers), partition.py (where to cut), placement.py (what lives where),
-copying.py (the user's model as built, in every replica), split_state.py (layers a
-split batch cannot hold), schedule.py (the step).
+copying.py (the user's model as built, in every replica), schedule.py (the step);
+tfdist/train/split_state.py finds the layers a split batch cannot hold.
 """
 
 from tfdist import devices as devices_lib
@@ -34,7 +34,9 @@ def build_pipeline(config) -> PipelineParallelism:
         return cross_worker.build_cross_worker_pipeline(config, cluster_from_environment())
     local = devices_lib.configure(config.simulate_devices, config.num_gpus)
     validate_layout(len(local), config.pipeline_stages, local)
-    return PipelineParallelism(local, config.pipeline_stages, config.microbatches,
+    # --accumulation_steps=K: K times the micro-batches, still one update per batch.
+    return PipelineParallelism(local, config.pipeline_stages,
+                               config.microbatches * config.accumulation_steps,
                                config.pipeline_split, config.pipeline_schedule,
                                config.virtual_stages)
 

@@ -444,7 +444,9 @@ def build_cross_worker_pipeline(config, tf_config: cluster.TFConfig) -> CrossWor
              "%d local device(s))", tf_config.num_workers, config.pipeline_stages,
              len(devices) // config.pipeline_stages, tf_config.num_workers // config.pipeline_stages,
              len(local))
-    return CrossWorkerPipeline(devices, config.pipeline_stages, config.microbatches,
+    # --accumulation_steps=K: K times the micro-batches, still one update per batch.
+    return CrossWorkerPipeline(devices, config.pipeline_stages,
+                               config.microbatches * config.accumulation_steps,
                                config.pipeline_split, config.pipeline_schedule,
                                config.virtual_stages, tf_config, config.collective_timeout)
 

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import UsageError, require
-from tfdist.train.keras_fixes import all_layers  # noqa: F401 (split_state imports it here)
+from tfdist.train.keras_fixes import all_layers
 
 # Keys Keras' base Layer.get_config adds to every config; an __init__ without **kwargs
 # does not take them.

@@ -12,9 +12,9 @@ import tensorflow as tf
 from tfdist import config as config_lib
 from tfdist.errors import require
 from tfdist.parallel.base import Parallelism, add_bytes
-from tfdist.parallel.pipeline import placement, schedule, split_state
+from tfdist.parallel.pipeline import placement, schedule
 from tfdist.parallel.pipeline.partition import Partition, partition_model, refuse_uncuttable
-from tfdist.train import clipping, step as step_math
+from tfdist.train import clipping, split_state
 
 log = logging.getLogger("tfdist")
 
@@ -50,8 +50,16 @@ class PipelineParallelism(Parallelism):
         require(per_replica % self.microbatches == 0,
                 f"The per-replica batch of {per_replica} examples (--global_batch_size="
                 f"{global_batch_size} over {self.num_replicas} replica(s)) is not divisible "
-                f"by --microbatches={self.microbatches}. Use a per-replica batch that is a "
+                f"by the {self._microbatches_given()}. Use a per-replica batch that is a "
                 f"multiple of {self.microbatches}.")
+
+    def _microbatches_given(self) -> str:
+        """The micro-batch count as the user asked for it (microbatches x accumulation)."""
+        steps = self.accumulation_steps
+        if steps == 1:
+            return f"--microbatches={self.microbatches}"
+        return (f"{self.microbatches} micro-batches of --microbatches="
+                f"{self.microbatches // steps} x --accumulation_steps={steps}")
 
     def build_model_and_optimizer(self, model_fn, optimizer_fn):
         """Partitions model_fn()'s model; each replica is a copy placed stage by stage.
@@ -180,7 +188,7 @@ class PipelineParallelism(Parallelism):
         Keras' compiled loss on the piece is the piece's mean (divided by `parts` to
         make the sum of pieces the global mean) or, for `sum` losses, its sum."""
         reference = self.reference
-        means = step_math.loss_reductions(reference)[0] != "sum" if reference.loss else True
+        means = split_state.loss_reductions(reference)[0] != "sum" if reference.loss else True
         scale = 1.0 / parts if means else 1.0
 
         def loss_fn(y, y_pred, w):
@@ -190,12 +198,12 @@ class PipelineParallelism(Parallelism):
         return loss_fn
 
     def _refuse_inexact_losses(self, model) -> None:
-        reductions = step_math.loss_reductions(model)
+        reductions = split_state.loss_reductions(model)
         kinds = {r == "sum" for r in reductions}
         require(model.loss is not None,
                 f"Model '{model.name}' is not compiled with a loss; compile it "
                 f"(model.compile(optimizer=..., loss=...)) before training it in a pipeline.")
-        require(all(r in step_math.EXACT_REDUCTIONS for r in reductions) and len(kinds) == 1,
+        require(all(r in split_state.EXACT_REDUCTIONS for r in reductions) and len(kinds) == 1,
                 f"Model '{model.name}' has losses with reductions {reductions}; a pipeline "
                 f"splits every batch into micro-batches and replicas, which is exact for losses "
                 f"that all reduce by 'sum_over_batch_size' (Keras' default) or all by 'sum'.")

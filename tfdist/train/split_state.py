@@ -1,9 +1,10 @@
-"""Layers a pipeline cannot split into micro-batches or replicas exactly.
+"""Layers whose training call cannot be split into micro-batches exactly.
 
-A pipeline step is one device's full-batch step only where a layer's training call
-depends on its own examples alone and changes nothing but its outputs. Two kinds of
-layer break that, and are refused when a batch is split (--microbatches > 1, or more
-than one replica), naming the layer:
+A step over micro-batches (the pipeline's, gradient accumulation's) is one device's
+full-batch step only where a layer's training call depends on its own examples alone
+and changes nothing but its outputs. Two kinds of layer break that, and are refused
+when a batch is split that way (the pipeline's --microbatches > 1 or several replica
+copies; --accumulation_steps > 1), naming the layer:
 
 - batch statistics: a BatchNormalization in training mode (trainable; a frozen one
   runs in inference mode on its moving statistics, and is exact), at any depth;
@@ -18,7 +19,12 @@ from typing import Dict, List
 import keras
 import tensorflow as tf
 
-from tfdist.parallel.pipeline.copying import all_layers
+from tfdist.train.keras_fixes import all_layers
+
+# Keras' reductions that make a mean of replica means the global mean (the
+# default), or a sum of replica sums the global sum. "mean_with_sample_weight"
+# divides by each replica's own weight sum, which no split of the batch keeps.
+EXACT_REDUCTIONS = ("sum_over_batch_size", "sum", "mean")
 
 # Ops that read a variable's handle; any other consumer may write it.
 READ_OPS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -29,6 +35,14 @@ def batch_statistics_layers(model) -> List[str]:
     """Paths of the BatchNormalization layers (nested too) that normalise by the batch."""
     return [_name(layer) for layer in _sub_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
+
+
+def loss_reductions(model):
+    """The reduction of every compiled loss ('sum_over_batch_size' for names and
+    plain functions, which Keras wraps with its default)."""
+    losses = keras.tree.flatten(model.loss) if model.loss is not None else []
+    return [loss.reduction if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+            for loss in losses]
 
 
 def layers_writing_weights(model) -> List[str]:

@@ -20,7 +20,7 @@ import pytest
 
 import keras_io_models
 from helpers import REPO
-from test_keras_io_equivalence import frozen_values, initial_frozen_values, worker_run
+from test_keras_io_equivalence import assert_frozen_unchanged, worker_run
 from tfdist.errors import UsageError
 from tfdist.testing import equivalence
 
@@ -54,11 +54,7 @@ def test_accumulation_trains_like_one_device_at_the_whole_batch(case, mode):
     assert len(run.losses) == keras_io_models.STEPS == 8
     assert report.equivalent, f"{case} in {mode}: {report}"
     if case.startswith("frozen"):
-        initial = initial_frozen_values()
-        for weights in run.replica_weights.values():
-            final = frozen_values(run.paths, weights)
-            assert len(final) == len(initial) == 4
-            assert all(np.array_equal(a, b) for a, b in zip(final, initial))
+        assert_frozen_unchanged(run, mode)
 
 
 def schedule_case():

@@ -4,24 +4,13 @@ batch=4 mesh and on batch=2 x model=2 with layout="auto"; keras-io's token + ara
 position tables under Adam with global_clipnorm, 8 steps against one device at the same
 global batch within 1e-5."""
 
-import functools
-
 import pytest
 
 import keras_io_models
+from test_keras_io_dtensor import MESHES, one_device
 from tfdist.testing import equivalence
 
 pytestmark = pytest.mark.dtensor
-
-MESHES = {"batch=4": dict(mesh="batch=4", layout="data"),
-          "batch=2,model=2": dict(mesh="batch=2,model=2", layout="auto")}
-
-
-@functools.lru_cache(maxsize=None)
-def one_device(case):
-    build, x, y, fit_kwargs = keras_io_models.case(*case.split(":"))
-    return equivalence.train_keras("default", build, x, y, fit_kwargs=fit_kwargs,
-                                   simulate_devices=4)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -6,11 +6,10 @@ sparse rows and the batch statistics are one device's by construction; this hold
 
 import functools
 
-import numpy as np
 import pytest
 
 import keras_io_models
-from test_keras_io_equivalence import frozen_values, initial_frozen_values
+from test_keras_io_equivalence import assert_frozen_unchanged
 from tfdist.testing import equivalence
 
 pytestmark = pytest.mark.dtensor
@@ -39,8 +38,4 @@ def test_keras_io_models_train_like_one_device_under_dtensor(case, mesh):
     report = equivalence.compare_runs(one_device(case), run)
     assert report.equivalent, f"{case} on {mesh}: {report}"
     if case.startswith("frozen"):
-        initial = initial_frozen_values()
-        for weights in run.replica_weights.values():
-            final = frozen_values(run.paths, weights)
-            assert len(final) == len(initial) == 4
-            assert all(np.array_equal(a, b) for a, b in zip(final, initial))
+        assert_frozen_unchanged(run, mesh)

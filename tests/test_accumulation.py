@@ -213,6 +213,10 @@ def test_bad_accumulation_options_are_refused_at_once():
         config.RunConfig(accumulation_steps=0)
     with pytest.raises(UsageError, match=r"--accumulation_steps=2 works with --trainer=loop"):
         config.RunConfig(accumulation_steps=2, trainer="fit")
+    import tfdist
+    with pytest.raises(UsageError, match=r"enable_keras_distribution\(accumulation_steps=0\): "
+                                         r"give a whole number > 0"):
+        tfdist.enable_keras_distribution(accumulation_steps=0)
 
 
 def test_the_flag_refuses_an_indivisible_batch_in_one_paragraph():

@@ -24,3 +24,32 @@ def test_dtensor_accumulates_like_one_device(mesh):
     assert len(run.losses) == 8
     assert report.equivalent, f"{case} on {mesh}: {report}"
 
+
+
+def test_keras_distribution_accumulates_like_one_device():
+    """Keras' own model.fit under DataParallel, with enable_keras_distribution's option."""
+    import keras
+    import tfdist
+    from tfdist import keras_distribution
+    case = "text:adam_clip"
+    build, x, y, fit_kwargs = keras_io_models.case(*case.split(":"))
+    tfdist.enable_keras_distribution(accumulation_steps=4)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")[:4]))
+    try:
+        keras.utils.set_random_seed(0)
+        model = build()
+        recorder = equivalence.LogRecorder(lambda: model.get_weights())
+        model.fit(x, y, verbose=0, callbacks=[recorder], **fit_kwargs)
+        strategy = keras_distribution.strategy_for(keras.distribution.distribution())
+        assert strategy.config.accumulation_steps == 4
+        run = equivalence.KerasRun("keras DataParallel x4 K=4", list(strategy.last_result.losses),
+                                   {"model": model.get_weights()},
+                                   [v.path for v in model.weights], recorder.batch_logs,
+                                   recorder.epoch_logs, [])
+    finally:
+        keras.distribution.set_distribution(None)
+        tfdist.enable_keras_distribution(accumulation_steps=1)
+    report = equivalence.compare_runs(one_device(case), run)
+    assert len(run.losses) == 8
+    assert report.equivalent, str(report)

@@ -54,7 +54,7 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from tfdist import api, keras_calls
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, require
 from tfdist.parallel.dtensor import keras_layouts   # no TensorFlow at import
 from tfdist.parallel.dtensor.layout_map import LayoutMap
 
@@ -66,20 +66,29 @@ BACKEND_FUNCTIONS = ("get_device_count", "distribute_tensor", "distribute_value"
 
 _state = threading.local()      # the route of the tfdist call running in this thread
 _strategies: Dict[int, Tuple[object, object, "Route"]] = {}   # id(distribution) -> cached
+_training_options = {"accumulation_steps": 1}   # enable()'s, for every distribution's Strategy
 _keras_backend: Dict[str, object] = {}                        # Keras' own backend functions
 
 
 # ------------------------------------------------------------------------------ enable
 
-def enable(simulate_devices: Optional[int] = None):
+def enable(simulate_devices: Optional[int] = None, accumulation_steps: int = 1):
     """Makes keras.distribution work on the TensorFlow backend (idempotent).
 
     simulate_devices: split the host CPU into that many logical devices first
     (default: $TFDIST_SIMULATE_DEVICES, which `tfdist launch --devices_per_worker`
     sets); must come before TensorFlow initialises its devices.
+    accumulation_steps: compute each batch of Keras' model.fit in that many
+    micro-batches, one update (tfdist/train/accumulation.py): Keras' own
+    `gradient_accumulation_steps` updates once every K batches, which tfdist's steps
+    do not reproduce, so it is refused.
     Returns the names of the backend functions tfdist provides."""
     import keras
     require_tensorflow_backend(keras.backend.backend())
+    require(isinstance(accumulation_steps, int) and accumulation_steps > 0,
+            f"tfdist.enable_keras_distribution(accumulation_steps={accumulation_steps!r}): "
+            f"give a whole number > 0 of micro-batches per batch.")
+    _training_options["accumulation_steps"] = accumulation_steps
     _simulate(simulate_devices)
     _install_backend_functions()
     keras_calls.install(router=api.KERAS_ROUTER, distribution_routes=ROUTES)
@@ -299,10 +308,11 @@ def strategy_for(distribution):
 
 def _route_for(distribution) -> Route:
     cached = _strategies.get(id(distribution))
-    if cached is not None and cached[0] is distribution:
+    if cached is not None and cached[0] is distribution and \
+            cached[1].config.accumulation_steps == _training_options["accumulation_steps"]:
         return cached[2]
     route = plan(distribution)
-    options = dict(mesh=route.mesh, layout=route.layout)
+    options = dict(mesh=route.mesh, layout=route.layout, **_training_options)
     if _device_type(distribution) == "cpu":   # this process's share of the mesh
         options["simulate_devices"] = int(distribution.device_mesh.devices.size) // \
             num_processes()

@@ -125,8 +125,9 @@ def refuse_keras_accumulation(model) -> None:
             f"The optimizer of model '{model.name}' has Keras' gradient_accumulation_steps="
             f"{keras_steps}, which tfdist's steps do not reproduce. Use tfdist's "
             f"--accumulation_steps={keras_steps} with a global batch {keras_steps} times as "
-            f"large (one update per global batch, computed in {keras_steps} micro-batches), "
-            f"and build the optimizer without gradient_accumulation_steps.")
+            f"large (one update per global batch, computed in {keras_steps} micro-batches; "
+            f"under keras.distribution: tfdist.enable_keras_distribution(accumulation_steps="
+            f"{keras_steps})), and build the optimizer without gradient_accumulation_steps.")
 
 
 def _refuse_inexact_losses(model, given: str) -> None:

@@ -14,10 +14,13 @@ every gradient come out already summed over `batch`; no explicit all-reduce.
 The step returns a replicated scalar; its local component is the global value.
 """
 
+import re
+
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist import quiet
+from tfdist.errors import UsageError
 from tfdist.parallel.dtensor import mesh as mesh_lib
 from tfdist.parallel.dtensor import rewrites, sharding, update
 from tfdist.train import accumulation, step as step_math
@@ -114,9 +117,49 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
         on_outputs(outputs_on_host(result[1]))
         return local_value(result[0])
 
-    train_step = quiet.first_call_filtered(train_step)   # grappler's cost-model lines
+    train_step = quiet.first_call_filtered(refusing_unrunnable_ops(train_step, model))
     train_step.sharded_step = sharded_step  # for graph inspection in tests
     return train_step
+
+
+# DTensor (TF 2.21) has no layout propagation for some ops, and says so only when it first
+# expands the traced step, before anything runs: "'tf.ReverseV2' op does not implement
+# layout propagation. Please file a feature request to TF DTensor." Seen in keras-io models
+# (benchmarks/results/conformance.md): the ops, and what in a Keras model uses them.
+NO_LAYOUT_PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
+OP_USERS = {
+    "TensorListFromTensor": "a recurrent layer (LSTM, GRU, SimpleRNN: their loop over time)",
+    "ReverseV2": "a Bidirectional or go_backwards recurrent layer, or ops.flip",
+    "MatrixDiagV3": "an image augmentation or ops.eye / ops.diag",
+}
+
+
+def refusing_unrunnable_ops(step, model):
+    """step, whose first call turns DTensor's refusal of an op into a UsageError naming the
+    op and the layers that use it. Nothing has run then: DTensor expands the whole step
+    program before executing it, so the model is untouched."""
+    called = []
+
+    def run(iterator):
+        if called:
+            return step(iterator)
+        try:
+            result = step(iterator)
+        except tf.errors.OpError as error:
+            match = NO_LAYOUT_PROPAGATION.search(str(error))
+            if match is None:
+                raise
+            op = match.group(1)
+            raise UsageError(
+                f"--strategy=dtensor cannot run model '{model.name}': DTensor (TensorFlow "
+                f"{tf.__version__}) has no layout propagation for the op {op}, which "
+                f"{OP_USERS.get(op, 'one of its layers')} uses; the step stopped before it "
+                f"ran, the model is unchanged. Train it with mirrored or "
+                f"multi_worker_mirrored (data parallel), or pipeline.") from None
+        called.append(True)
+        return result
+
+    return run
 
 
 def micro_batches(mesh):

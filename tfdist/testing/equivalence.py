@@ -264,7 +264,7 @@ def train_keras(strategy: str, build_and_compile, x, y=None, *, seed: int = 0,
                        {name: m.get_weights() for name, m in replicas.items()},
                        [v.path for v in model.weights], recorder.batch_logs,
                        recorder.epoch_logs, stochastic_layers(model),
-                       guarantee.biases_cancelled_by_batch_norm(model), recorder.step_weights)
+                       guarantee.not_covered(model), recorder.step_weights)
     finally:
         tf_strategy.close()
     return run

@@ -11,6 +11,11 @@ in a given model, said once before training rather than found after it.
   RMSprop, Adagrad...) turn that noise into steps of about the learning rate, which
   differ with any change in the order of the sums, one device against itself
   included. The loss does not see it; the bias and that layer's moving mean do.
+- The key bias of an attention layer (MultiHeadAttention and its subclasses): it adds
+  the same query . bias to every key's score of a query, which the softmax over keys
+  cancels, so its gradient is rounding noise too, amplified the same way (keras-io's
+  Vision Transformer under Adam: 1.7e-5 absolute apart under mirrored after 8 steps;
+  benchmarks/results/conformance.md).
 """
 
 import logging
@@ -50,6 +55,25 @@ def biases_cancelled_by_batch_norm(model) -> List[str]:
     return paths
 
 
+def attention_key_biases(model) -> List[str]:
+    """Paths of the key biases of the model's attention layers, when its optimizer
+    amplifies their rounding noise: what `announce` says is not one device's."""
+    if not _amplifies_noise(getattr(model, "optimizer", None)):
+        return []
+    return [weight.path for layer in _attention_layers(model)
+            for weight in layer.trainable_weights if weight.path.endswith("/key/bias")]
+
+
+def not_covered(model) -> List[str]:
+    """Every variable path `announce` names as not one device's (random layers aside)."""
+    return biases_cancelled_by_batch_norm(model) + attention_key_biases(model)
+
+
+def _attention_layers(model) -> List:
+    return [layer for layer in keras_fixes.all_layers(model)
+            if isinstance(layer, keras.layers.MultiHeadAttention)]
+
+
 def _amplifies_noise(optimizer) -> bool:
     """SGD (with or without momentum) steps in proportion to the gradient, so rounding
     noise stays rounding noise; optimizers that divide by the gradient's running
@@ -80,6 +104,16 @@ def announce(model, mode: str) -> None:
             "them are not one device's. Build those layers with use_bias=False to "
             "train them exactly.", mode,
             _listed([producer.name for producer, _ in pairs]), _optimizer_name(model))
+    keyed = [layer.name for layer in _attention_layers(model)
+             if any(w.path.endswith("/key/bias") for w in layer.trainable_weights)]
+    if keyed and _amplifies_noise(model.optimizer):
+        log.warning(
+            "%s: the key bias of %s adds the same amount to every key's score, which the "
+            "attention's softmax cancels: its gradient is zero up to rounding, which %s "
+            "turns into steps of about the learning rate, different under any split of the "
+            "batch (one device included). The loss is unaffected; those key biases are not "
+            "one device's. Build the attention with use_bias=False, or train with SGD, to "
+            "compare them exactly.", mode, _listed(keyed), _optimizer_name(model))
 
 
 def _optimizer_name(model) -> str:

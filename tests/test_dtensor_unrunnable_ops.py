@@ -29,6 +29,10 @@ def test_a_bidirectional_lstm_is_refused_naming_the_op_and_the_model_is_unchange
     try:
         with pytest.raises(UsageError) as caught:
             strategy.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+        with pytest.raises(UsageError, match="no layout propagation for the op"):
+            strategy.evaluate(model, x, y, batch_size=16, verbose=0)
+        with pytest.raises(UsageError, match="no layout propagation for the op"):
+            strategy.predict(model, x[:16], batch_size=16, verbose=0)
     finally:
         strategy.close()
     message = str(caught.value)

@@ -135,16 +135,16 @@ OP_USERS = {
 
 
 def refusing_unrunnable_ops(step, model):
-    """step, whose first call turns DTensor's refusal of an op into a UsageError naming the
-    op and the layers that use it. Nothing has run then: DTensor expands the whole step
-    program before executing it, so the model is untouched."""
+    """step (train, eval or predict), whose first call turns DTensor's refusal of an op
+    into a UsageError naming the op and the layers that use it. Nothing has run then:
+    DTensor expands the whole step program before executing it, so the model is untouched."""
     called = []
 
-    def run(iterator):
+    def run(batches):
         if called:
-            return step(iterator)
+            return step(batches)
         try:
-            result = step(iterator)
+            result = step(batches)
         except tf.errors.OpError as error:
             match = NO_LAYOUT_PROPAGATION.search(str(error))
             if match is None:
@@ -207,7 +207,7 @@ def make_predict_step(model, mesh):
             lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(mesh, t.shape.rank)), x)
         return tf.nest.map_structure(local_value, sharded_predict(packed))
 
-    return quiet.first_call_filtered(predict)   # grappler's cost-model lines
+    return quiet.first_call_filtered(refusing_unrunnable_ops(predict, model))   # grappler's lines
 
 
 def make_eval_step(model, on_outputs=None):
@@ -226,4 +226,4 @@ def make_eval_step(model, on_outputs=None):
             on_outputs(outputs_on_host(outputs))
         return local_value(loss)
 
-    return quiet.first_call_filtered(eval_step)   # grappler's cost-model lines
+    return quiet.first_call_filtered(refusing_unrunnable_ops(eval_step, model))   # grappler's lines

@@ -949,7 +949,8 @@ def cell_text(cell, notes) -> str:
         if judged.get("message") and judged["verdict"] != EXACT:
             refs.append(notes.ref(judged["verdict"] or "no reference", judged["message"],
                                   f"{cell['model']} {cell['mode']} {optimizer}"))
-    return " ".join([text] + sorted(set(refs), key=refs.index))
+    # "[6], [7]", not "[6] [7]": Markdown reads the latter as a reference link (mkdocs fails).
+    return " ".join([text, ", ".join(sorted(set(refs), key=refs.index))]).rstrip()
 
 
 def random_table(checks, notes) -> list:

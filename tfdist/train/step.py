@@ -17,7 +17,6 @@ import tensorflow as tf
 from tfdist.train import accumulation, keras_fixes, sparse_rows
 
 
-
 def split_batch(batch):
     """(x, y, sample_weight) of a batch given as (x, y) or (x, y, w) (or x alone)."""
     x, y, w = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list)

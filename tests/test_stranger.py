@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -67,24 +66,35 @@ def environment():
     return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 
 
-def run_with_stranger(mode, tmp_path, network_flags=(), steps=STEPS):
-    """Runs the mode's job with a prober watching it; (job, probe records, results)."""
+def job_command(mode, results, network_flags=(), steps=STEPS):
     launch_flags, flags = MODES[mode]
-    results = tmp_path / "results.json"
     command = [sys.executable, *TRAIN, *flags, f"--results_json={results}",
                f"--train_steps={steps}"]
-    if launch_flags is not None:
-        command = [sys.executable, "-m", "tfdist.launch", *launch_flags, *network_flags,
-                   "--", *command]
+    if launch_flags is None:
+        return command
+    return [sys.executable, "-m", "tfdist.launch", *launch_flags, *network_flags, "--", *command]
+
+
+def start_job_and_prober(command, tmp_path, *prober_flags):
     evidence, records = tmp_path / "evidence", tmp_path / "probe.json"
     evidence.mkdir()
     job = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     prober = subprocess.Popen([sys.executable, "-m", "tfdist.testing.stranger",
                                f"--pid={job.pid}", f"--out={records}",
-                               f"--evidence_dir={evidence}"], cwd=REPO, env=environment())
+                               f"--evidence_dir={evidence}", *prober_flags], cwd=REPO,
+                              env=environment())
+    return job, prober, records, evidence
+
+
+def run_with_stranger(mode, tmp_path):
+    """Runs the mode's job with a prober watching it; (job, probe records, results)."""
+    results = tmp_path / "results.json"
+    job, prober, records, evidence = start_job_and_prober(job_command(mode, results), tmp_path)
     try:
         out, err = job.communicate(timeout=600)
+        # The prober ends once the job has and its last probes answered (at most
+        # stranger.PROBE_SECONDS later).
         prober.wait(timeout=120)
     finally:
         for process in (job, prober):
@@ -92,7 +102,7 @@ def run_with_stranger(mode, tmp_path, network_flags=(), steps=STEPS):
                 process.kill()
     assert job.returncode == 0, out[-3000:] + err[-3000:]
     assert prober.returncode == 0
-    save_records(" ".join([mode, *network_flags]), records.read_text())
+    save_records(mode, records.read_text())
     return (out + err, json.loads(records.read_text()), json.loads(results.read_text()),
             sorted(os.listdir(evidence)))
 
@@ -141,14 +151,30 @@ def test_a_stranger_can_neither_reach_nor_change_a_job(mode, tmp_path):
 @pytest.mark.slow
 def test_on_the_hosts_network_the_door_is_open_and_the_launcher_says_so(tmp_path):
     """The same probe does get in when the job shares this host's network: what
-    --network=host costs, and the proof that the probe above can succeed."""
-    # Long enough for the probe's session to reach a server that is still up.
-    output, records, _, evidence = run_with_stranger("multi_worker_mirrored tcp", tmp_path,
-                                                     ("--network=host",), steps=3000)
-    assert "listens on every interface" in output and "firewall" in output
+    --network=host costs, and the proof that the probe above can succeed. The job trains
+    until the probe's op has run (--until_op_runs), then is stopped: however slow the
+    machine, the server is up while the probe tries it."""
+    mode, network = "multi_worker_mirrored tcp", "--network=host"
+    command = job_command(mode, tmp_path / "results.json", (network,), steps=10**6)
+    job, prober, records, evidence = start_job_and_prober(command, tmp_path, "--until_op_runs",
+                                                          "--timeout=300")
+    try:
+        prober.wait(timeout=360)
+    finally:
+        job.terminate()   # the launcher stops its workers (a preemption, no checkpoint)
+        try:
+            out, err = job.communicate(timeout=120)
+        finally:
+            for process in (job, prober):
+                if process.poll() is None:
+                    process.kill()
+    assert prober.returncode == 0
+    save_records(f"{mode} {network}", records.read_text())
+    records = json.loads(records.read_text())
+    assert "listens on every interface" in out + err and "firewall" in out + err
     opened = {r["port"] for r in records if r["probe"] == "op ran"}
     servers = {r["port"] for r in records if r["what"] == "TensorFlow gRPC server"}
-    assert opened and evidence and opened <= servers, records
+    assert opened and os.listdir(evidence) and opened <= servers, records
 
 
 def test_a_worker_outside_tfdist_launch_announces_its_open_server_once(caplog, monkeypatch):

@@ -14,7 +14,11 @@ Each record: the listening process, the address it binds, the port, whether its 
 is this process's ("host") or another ("private"), who holds it, and the probe's
 outcome (attributed to the port: a gRPC session opened through the rendezvous's short-
 lived socket reaches the TensorFlow server that takes the same port next): "refused"
-(no connection: nothing listens there in our network), "op ran", or "op failed: ...".
+(no connection: nothing listens there in our network), "op ran", "op failed: ...", or
+"no answer" (a session that neither ran nor failed within PROBE_SECONDS: gRPC retries a
+server that went away, or a port that is not gRPC, without end).
+With --until_op_runs the watch ends as soon as one probe's op ran (the job keeps
+running: its caller ends it), so proving an open door takes no longer than the probe.
 Linux only: it reads /proc. Used by tests/test_stranger.py, which also writes the
 docs' table from these records.
 """
@@ -34,6 +38,10 @@ LISTEN = "0A"          # /proc/net/tcp's state code for a listening socket
 POLL_SECONDS = 0.1
 CONNECT_SECONDS = 2.0
 OP_TIMEOUT_MS = 4000
+# How long, after the job ended (or an op ran), the watch waits for the probes still
+# running. A probe's session to a server that is gone, or to a port that does not speak
+# gRPC, can wait without end (the CI run where the prober outlived the job by 120 s).
+PROBE_SECONDS = 30.0
 
 
 @dataclasses.dataclass
@@ -191,9 +199,11 @@ def try_op(port: int, evidence: str, tasks: int) -> str:
     return "op failed: " + "; ".join(errors)
 
 
-def watch(root: int, evidence_dir: str, tasks: int, deadline: float) -> List[Listener]:
+def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
+          until_op_runs: bool = False) -> List[Listener]:
     """Probes every socket root's processes listen on, once each, as it appears (each in a
-    thread of its own: a slow door must not hide the next), until they have all ended."""
+    thread of its own: a slow door must not hide the next), until they have all ended
+    (or, with until_op_runs, until one probe's op ran)."""
     import threading
     seen: Dict[tuple, Listener] = {}
     probes = []
@@ -207,7 +217,12 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float) -> List[Lis
         evidence = os.path.join(evidence_dir, f"port{listener.port}.txt")
         listener.probe = try_op(listener.port, evidence, tasks)
 
+    def an_op_ran():
+        return any(listener.probe == "op ran" for listener in seen.values())
+
     while os.path.exists(f"/proc/{root}") and time.monotonic() < deadline:
+        if until_op_runs and an_op_ran():
+            break
         for pid in descendants(root):
             for listener in listeners_of(pid):
                 if listener.key not in seen:
@@ -215,8 +230,14 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float) -> List[Lis
                     probes.append(threading.Thread(target=probe, args=(listener,), daemon=True))
                     probes[-1].start()
         time.sleep(POLL_SECONDS)
+    # The probes left get PROBE_SECONDS in all, not each: the watch's end must not grow
+    # with the number of ports.
+    stop_waiting = min(time.monotonic() + PROBE_SECONDS, max(deadline, time.monotonic() + 1.0))
     for thread in probes:
-        thread.join(max(deadline - time.monotonic(), 1.0))
+        thread.join(max(stop_waiting - time.monotonic(), 0.0))
+    for listener in seen.values():
+        if not listener.probe:
+            listener.probe = f"no answer within {PROBE_SECONDS:.0f} s"
     return list(seen.values())
 
 
@@ -252,6 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--evidence_dir", help="where the probe's op would write its file")
     parser.add_argument("--tasks", type=int, default=2, help="TF tasks to try pinning to")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--until_op_runs", action="store_true", help="end the watch (not "
+                        "the job) as soon as one probe's op ran")
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
@@ -259,7 +282,7 @@ def main(argv=None) -> int:
     if not (args.pid and args.out and args.evidence_dir):
         parser.error("--pid, --out and --evidence_dir are required to watch a job")
     records = watch(args.pid, args.evidence_dir, args.tasks,
-                    time.monotonic() + args.timeout)
+                    time.monotonic() + args.timeout, args.until_op_runs)
     with open(args.out, "w") as f:
         json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
     return 0

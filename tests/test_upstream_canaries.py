@@ -243,3 +243,14 @@ def test_tensorflow_still_logs_its_startup_before_absl_is_initialised():
     lines = loud.splitlines()
     assert any("absl::InitializeLog" in line for line in lines), loud[-2000:]
     assert [line for line in lines if not quiet.NOISE.match(line)] == [], loud[-2000:]
+
+
+def test_tf_coordination_key_value_store_calls_keep_their_signatures():
+    """tfdist.parallel.dtensor.leader_leaves_last (no public API for the store)."""
+    from tensorflow.python.eager import context
+    assert list(inspect.signature(context.Context.set_config_key_value).parameters) == \
+        ["self", "key", "value"]
+    assert list(inspect.signature(context.Context.get_config_key_value).parameters) == \
+        ["self", "key", "timeout_in_ms"]
+    assert list(inspect.signature(context.Context.delete_config_key_value).parameters) == \
+        ["self", "key"]

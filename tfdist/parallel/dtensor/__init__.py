@@ -52,8 +52,9 @@ class DTensorParallelism(Parallelism):
         it was started", seen when client 0 exited first)."""
         if self.env is not None and self.env.num_clients > 1:
             from tensorflow.experimental import dtensor
-            dtensor.barrier(self.mesh, "tfdist-finish",
-                            timeout_in_ms=int(1000 * self.config.collective_timeout))
+            timeout_ms = int(1000 * self.config.collective_timeout)
+            dtensor.barrier(self.mesh, "tfdist-finish", timeout_in_ms=timeout_ms)
+            leader_leaves_last(self.env.client_id, self.env.num_clients, timeout_ms)
 
     def validate_global_batch(self, global_batch_size: int) -> None:
         if global_batch_size % self.num_replicas:
@@ -148,3 +149,42 @@ def build_dtensor(config) -> DTensorParallelism:
         axes = mesh_lib.parse_mesh(config.mesh, len(local))
         mesh = mesh_lib.build_local_mesh(axes, local)
     return DTensorParallelism(config, mesh, env if multi_client else None)
+
+
+_finishes = [0]   # finish() calls in this process: every client makes the same number
+
+
+def leader_leaves_last(client_id: int, num_clients: int, timeout_ms: int) -> None:
+    """After the finish barrier: client 0, which hosts TensorFlow's coordination
+    service, leaves only when every other client has its answer. Otherwise the barrier's
+    reply to a client can be lost with client 0's server: the client fails with
+    "UnavailableError: Failed to send RPC to coordination service ... Socket closed"
+    after a finished run (the CI run of tests/test_stranger.py, dtensor 2 clients).
+    TensorFlow's own teardown would wait at its shutdown barrier, but a multi-process
+    run skips it (experiments/train.py exit_process: it takes seconds to minutes).
+    Each other client, once through the barrier, sets a key in the service's key-value
+    store; client 0 waits for every key. A client whose set gets no reply (client 0
+    read the key and left) is done all the same: it is past the barrier."""
+    # Private: TensorFlow has no public API for the coordination service's key-value
+    # store (context.Context's calls below; no upstream issue asks for one, searched
+    # 2026-12-07). tests/test_upstream_canaries.py pins their signatures.
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import errors
+    _finishes[0] += 1
+    prefix = f"tfdist-finish/{_finishes[0]}"
+    ctx = context.context()
+    if client_id != 0:
+        try:
+            ctx.set_config_key_value(f"{prefix}/{client_id}", "left")
+        except errors.UnavailableError:
+            pass
+        return
+    for other in range(1, num_clients):
+        key = f"{prefix}/{other}"
+        try:
+            ctx.get_config_key_value(key, timeout_ms)
+            ctx.delete_config_key_value(key)   # the store must not grow with the runs
+        except (errors.DeadlineExceededError, errors.UnavailableError) as error:
+            log.warning("dtensor client %d passed the finish barrier but did not say it "
+                        "left within %d ms (%s); client 0 leaves anyway", other, timeout_ms,
+                        type(error).__name__)

@@ -333,6 +333,32 @@ def test_max_restarts_gives_up_with_the_failing_code(tmp_path):
 
 # --------------------------------------------------------------------------- dry run and usage errors
 
+def test_what_workers_leave_in_the_temp_dir_goes_with_the_launch(tmp_path):
+    """Multi-process workers end with os._exit (or are killed), which skips the atexit
+    handlers that delete TensorFlow's autograph files: the launch's own TMPDIR takes
+    them, and whatever else a worker leaves there, with it (also after a restart)."""
+    outer = tmp_path / "tmp"
+    outer.mkdir()
+    worker = script(tmp_path, f"""
+        import os, tempfile
+        rank, attempt = os.environ["TFDIST_RANK"], os.environ["TFDIST_RESTART_COUNT"]
+        with open(os.path.join({str(tmp_path)!r}, f"tmp-{{attempt}}-{{rank}}"), "w") as out:
+            out.write(tempfile.gettempdir())
+        tempfile.NamedTemporaryFile(prefix="__autograph_generated_file", delete=False).close()
+        os._exit(5 if attempt == "0" and rank == "1" else 0)
+        """)
+    result = subprocess.run(launcher_command("--workers", "2", "--max_restarts", "1", "--",
+                                             sys.executable, worker),
+                            cwd=REPO, env=clean_env(TMPDIR=str(outer)), capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    used = {(tmp_path / f"tmp-{attempt}-{rank}").read_text() for attempt in "01" for rank in "01"}
+    assert len(used) == 1, used   # one directory for the whole launch
+    job_dir = Path(used.pop())
+    assert job_dir.parent == outer and job_dir.name.startswith("tfdist-job-")
+    assert list(outer.iterdir()) == []
+
+
 def test_dry_run_prints_every_config_and_starts_nothing(tmp_path):
     marker = tmp_path / "started"
     worker = script(tmp_path, f"open({str(marker)!r}, 'w').close()\n")

@@ -20,6 +20,14 @@ Every worker gets these environment variables:
                          prove they hold it; --dry_run shows "<set>", not the value
   PYTHONUNBUFFERED=1     unless already set, so a worker's last lines reach the
                          launcher even when it is killed
+  TMPDIR                 a directory of this launch (tfdist-job-*, 0700, under your
+                         TMPDIR), removed when the launch ends: what workers leave
+                         in the temp dir goes with it. A multi-process worker ends
+                         with os._exit (TensorFlow's teardown waits for its peers),
+                         which skips the atexit handlers that delete TensorFlow's
+                         autograph files, and a killed worker runs none: per run,
+                         dozens of files stayed in /tmp, and Open MPI's session dirs
+                         under --mpi.
 
 MPI (--mpi): the launcher runs Open MPI's `mpirun -np N ... CMD` instead of N
 processes of its own, for `--collective=mpi` (tfdist.parallel.mpi): MPI starts the
@@ -78,7 +86,9 @@ this file runs the attempts.
 """
 
 import os
+import shutil
 import sys
+import tempfile
 from typing import List, Optional, Sequence, Set, Tuple
 
 from tfdist import netns
@@ -99,9 +109,11 @@ def run(options: LaunchOptions) -> int:
         print_dry_run(options, plan_group(options), sys.stdout)
         return 0
     network = open_network(options)   # one for the whole launch: restarts keep it
+    temp_dir = tempfile.mkdtemp(prefix="tfdist-job-")
     try:
-        outcome, interrupted = run_attempts(options, command, network)
+        outcome, interrupted = run_attempts(options, command, network, temp_dir)
     finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
         if network:
             network.close()
     if not (outcome.ok or interrupted):
@@ -109,14 +121,15 @@ def run(options: LaunchOptions) -> int:
     return outcome.exit_code
 
 
-def run_attempts(options: LaunchOptions, command: List[str], network) -> Tuple["Outcome", bool]:
+def run_attempts(options: LaunchOptions, command: List[str], network,
+                 temp_dir: Optional[str] = None) -> Tuple["Outcome", bool]:
     """The last attempt's outcome, and whether a signal of the user's ended it."""
     used_ports: Set[int] = set()
     secret = job_secret(os.environ)   # one per launch: restarted workers are the same job
     with SignalForwarder() as signals:
         for attempt in range(options.max_restarts + 1):
             plan = plan_group(options, attempt, exclude=used_ports,   # fresh ports: old ones may linger
-                              secret=secret)
+                              secret=secret, temp_dir=temp_dir)
             used_ports |= plan.all_ports
             outcome = WorkerGroup(options, command, plan, signals, network).run()
             if outcome.ok:

@@ -71,11 +71,12 @@ def job_secret(env: Mapping[str, str]) -> str:
 
 
 def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int] = frozenset(),
-               secret: Optional[str] = None) -> GroupPlan:
+               secret: Optional[str] = None, temp_dir: Optional[str] = None) -> GroupPlan:
+    """temp_dir, if given, is every worker's TMPDIR (see tfdist.launch.run)."""
     n = options.workers
     secret = secret or job_secret(os.environ)
     if options.mpi:
-        return plan_mpi_group(options, restart_count, secret)
+        return with_temp_dir(plan_mpi_group(options, restart_count, secret), temp_dir)
     ports = pick_free_ports(options.host, 2 * n if options.dtensor else n, exclude)
     tf_addresses = [cluster.join_address(options.host, port) for port in ports[:n]]
     dtensor_addresses = [cluster.join_address(options.host, port) for port in ports[n:]]
@@ -93,7 +94,14 @@ def plan_group(options: LaunchOptions, restart_count: int = 0, exclude: Set[int]
             env.update(cluster.keras_distribution_env(dtensor_addresses, rank))
         environments.append(env)
     rank_ports = [[ports[rank]] + ([ports[n + rank]] if options.dtensor else []) for rank in range(n)]
-    return GroupPlan(environments, rank_ports)
+    return with_temp_dir(GroupPlan(environments, rank_ports), temp_dir)
+
+
+def with_temp_dir(plan: GroupPlan, temp_dir: Optional[str]) -> GroupPlan:
+    if temp_dir is not None:
+        for env in plan.environments:
+            env["TMPDIR"] = temp_dir
+    return plan
 
 
 def plan_mpi_group(options: LaunchOptions, restart_count: int, secret: str) -> GroupPlan:

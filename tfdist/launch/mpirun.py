@@ -13,7 +13,7 @@ from tfdist.parallel import ring_auth
 
 MPIRUN_TAG = re.compile(r"(?m)^\[\d+,(\d+)\]<std(?:out|err)>: ?")
 MPI_VARIABLES = ("TFDIST_NUM_WORKERS", "TFDIST_RESTART_COUNT", "TFDIST_SIMULATE_DEVICES",
-                 ring_auth.SECRET_ENV)
+                 ring_auth.SECRET_ENV, "TMPDIR")
 
 
 def resolve_mpirun() -> str:

@@ -33,6 +33,19 @@ def launch(collective, out_dir, cases=CASES):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def one_device_runs(tmp_path_factory):
+    """case -> its one-device run, trained once for this module's tests (the same cases
+    are compared over every collective and as a pipeline)."""
+    files_dir, runs = tmp_path_factory.mktemp("one_device_files"), {}
+
+    def run(case):
+        if case not in runs:
+            runs[case] = one_device(case, files_dir / case.replace(":", "_"))
+        return runs[case]
+    return run
+
+
 def one_device(case, files_dir):
     name, optimizer = case.split(":")
     build, x, y, fit_kwargs = user_models.case(name, optimizer)
@@ -56,11 +69,11 @@ def worker_run(out_dir, case, rank, paths):
 
 @pytest.mark.parametrize("collective", ["auto", "tcp", pytest.param("mpi", marks=pytest.mark.skipif(
     mpi_unavailable() is not None, reason=str(mpi_unavailable())))])
-def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
+def test_two_workers_train_users_models_like_one_device(collective, tmp_path, one_device_runs):
     result = launch(collective, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for case in CASES:
-        reference = one_device(case, tmp_path / "one_device_files")
+        reference = one_device_runs(case)
         records = []
         for rank in (0, 1):
             record, run = worker_run(tmp_path, case, rank, reference.paths)
@@ -90,7 +103,8 @@ def test_two_workers_train_users_models_like_one_device(collective, tmp_path):
                                    rtol=1e-6, atol=1e-7)
 
 
-def test_users_models_train_as_a_pipeline_across_two_workers_like_one_device(tmp_path):
+def test_users_models_train_as_a_pipeline_across_two_workers_like_one_device(tmp_path,
+                                                                             one_device_runs):
     """tfdist.Strategy("pipeline") under `tfdist launch --workers 2`: a stage in each worker.
     Worker 1 serves its stage, and it must end with exit 0 after the user's close() (it used
     to end with 3: no run had told it the job finished). Worker 0's trained model, its
@@ -99,7 +113,7 @@ def test_users_models_train_as_a_pipeline_across_two_workers_like_one_device(tmp
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "worker 0 ended with status 0" in result.stderr, result.stderr[-3000:]
     for case in PIPELINE_CASES:
-        reference = one_device(case, tmp_path / "one_device_files")
+        reference = one_device_runs(case)
         record, run = worker_run(tmp_path, case, 0, reference.paths)
         report = equivalence.compare_runs(reference, run)
         assert report.equivalent, f"{case} as a pipeline across 2 workers: {report}"

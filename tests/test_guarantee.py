@@ -45,6 +45,18 @@ def test_random_layers_at_rate_zero_are_not_random():
     assert guarantee.stochastic_layers(keras_io_models.text_transformer(dropout=0.0)) == []
 
 
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
+def test_recurrent_cells_are_random_only_at_a_non_zero_dropout(cell):
+    """A cell holds its SeedGenerator whatever its rates; it draws only for dropout or
+    recurrent_dropout (a false announcement, found on keras-io's Bidirectional LSTM)."""
+    def model(**rates):
+        layer = getattr(keras.layers, cell)(4, **rates)
+        return keras.Sequential([keras.Input((3, 2)), keras.layers.Bidirectional(layer)])
+    assert guarantee.stochastic_layers(model()) == []
+    assert len(guarantee.stochastic_layers(model(dropout=0.1))) == 2        # both directions
+    assert len(guarantee.stochastic_layers(model(recurrent_dropout=0.1))) == 2
+
+
 @pytest.mark.parametrize("optimizer,expected", [("adam", 4), ("rmsprop", 4), ("sgd", 0)])
 def test_biases_cancelled_by_batch_norm_under_adaptive_optimizers(optimizer, expected):
     model = compiled(keras_io_models.timeseries_convnet(), optimizer)

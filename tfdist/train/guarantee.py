@@ -37,9 +37,21 @@ def stochastic_layers(model) -> List[str]:
                    for value in vars(layer).values()) and not _switched_off(layer)]
 
 
+# Knobs that, all at 0, switch a layer's randomness off. Recurrent cells (LSTMCell,
+# GRUCell, SimpleRNNCell) hold their SeedGenerator whatever their rates, and draw only for
+# dropout or recurrent_dropout: keras-io's Bidirectional LSTM built at rate 0 was announced
+# as random (conformance run, 2026-12-06).
+SWITCHES = (("rate",), ("stddev",), ("dropout", "recurrent_dropout"))
+
+
 def _switched_off(layer) -> bool:
-    """Dropout-like layers at rate 0 and noise at stddev 0 draw nothing (Keras skips them)."""
-    return any(getattr(layer, knob, None) == 0 for knob in ("rate", "stddev"))
+    """Dropout-like layers at rate 0, noise at stddev 0 and recurrent cells at dropout and
+    recurrent_dropout 0 draw nothing (Keras skips them)."""
+    for knobs in SWITCHES:
+        values = [getattr(layer, knob, None) for knob in knobs]
+        if all(isinstance(value, (int, float)) and value == 0 for value in values):
+            return True
+    return False
 
 
 def biases_cancelled_by_batch_norm(model) -> List[str]:

@@ -109,11 +109,13 @@ def run(options: LaunchOptions) -> int:
         print_dry_run(options, plan_group(options), sys.stdout)
         return 0
     network = open_network(options)   # one for the whole launch: restarts keep it
-    temp_dir = tempfile.mkdtemp(prefix="tfdist-job-")
     try:
-        outcome, interrupted = run_attempts(options, command, network, temp_dir)
+        temp_dir = tempfile.mkdtemp(prefix="tfdist-job-")
+        try:
+            outcome, interrupted = run_attempts(options, command, network, temp_dir)
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
         if network:
             network.close()
     if not (outcome.ok or interrupted):

@@ -331,8 +331,6 @@ def test_max_restarts_gives_up_with_the_failing_code(tmp_path):
         ["attempt0-rank1.json", "attempt1-rank1.json"]
 
 
-# --------------------------------------------------------------------------- dry run and usage errors
-
 def test_what_workers_leave_in_the_temp_dir_goes_with_the_launch(tmp_path):
     """Multi-process workers end with os._exit (or are killed), which skips the atexit
     handlers that delete TensorFlow's autograph files: the launch's own TMPDIR takes
@@ -358,6 +356,8 @@ def test_what_workers_leave_in_the_temp_dir_goes_with_the_launch(tmp_path):
     assert job_dir.parent == outer and job_dir.name.startswith("tfdist-job-")
     assert list(outer.iterdir()) == []
 
+
+# --------------------------------------------------------------------------- dry run and usage errors
 
 def test_dry_run_prints_every_config_and_starts_nothing(tmp_path):
     marker = tmp_path / "started"

@@ -78,12 +78,14 @@ def job_command(mode, results, network_flags=(), steps=STEPS):
 def start_job_and_prober(command, tmp_path, *prober_flags):
     evidence, records = tmp_path / "evidence", tmp_path / "probe.json"
     evidence.mkdir()
+    prober_log = open(tmp_path / "prober.log", "w")
     job = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     prober = subprocess.Popen([sys.executable, "-m", "tfdist.testing.stranger",
                                f"--pid={job.pid}", f"--out={records}",
                                f"--evidence_dir={evidence}", *prober_flags], cwd=REPO,
-                              env=environment())
+                              env=environment(), stderr=prober_log)
+    prober_log.close()   # the prober holds its own copy
     return job, prober, records, evidence
 
 
@@ -103,8 +105,8 @@ def run_with_stranger(mode, tmp_path):
     assert job.returncode == 0, out[-3000:] + err[-3000:]
     assert prober.returncode == 0
     save_records(mode, records.read_text())
-    return (out + err, json.loads(records.read_text()), json.loads(results.read_text()),
-            sorted(os.listdir(evidence)))
+    return (out + err + (tmp_path / "prober.log").read_text(), json.loads(records.read_text()),
+            json.loads(results.read_text()), sorted(os.listdir(evidence)))
 
 
 def save_records(name, text):
@@ -137,7 +139,7 @@ def test_a_stranger_can_neither_reach_nor_change_a_job(mode, tmp_path):
         # Every listening port of a launched job lives in the job's private network:
         # TensorFlow's servers (bound 0.0.0.0 there), tfdist's rings and rendezvous, and
         # Open MPI's runtime. None is reachable from this network.
-        assert records, "the job listened on nothing: the probe saw no door to try"
+        assert records, f"the probe saw no door to try: {output[-4000:]}"
         assert all(r["network"] == "private" and r["probe"] == "refused"
                    and r["interfaces"] == ["lo"] for r in records), records
         assert "workers share a private network" in output

@@ -4,8 +4,10 @@
     python -m tfdist.testing.stranger --table DIR    # the docs' table from saved records
 
 Watches process PID and its descendants until they have all ended. Each TCP port one of
-them listens on is probed once, as soon as it appears, from this process: an unrelated
-process on the same host, in the host's network. The probe is the attack TensorFlow's
+them listens on is probed once, as soon as it appears, from this host's network: this
+process connects, and where a connection is accepted a child process of its own tries
+the op (the watcher never loads TensorFlow, whose import would stall its polls). The
+probe is the attack TensorFlow's
 gRPC server admits: a `tf.compat.v1.Session("grpc://127.0.0.1:PORT")` that runs
 `tf.io.write_file` (unpinned, then on each `/job:worker/replica:0/task:I`). The file is
 the evidence: the probe's op ran if and only if it exists afterwards.
@@ -25,11 +27,11 @@ docs' table from these records.
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import socket
 import struct
+import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Set
@@ -54,6 +56,7 @@ class Listener:
     what: str = ""          # who holds the socket (see `owner`)
     interfaces: List[str] = dataclasses.field(default_factory=list)   # in its network
     probe: str = ""
+    seen_at: float = 0.0    # seconds from the watch's start to the poll that found it
 
     @property
     def key(self):
@@ -174,11 +177,36 @@ def owner(process: str, address: str) -> str:
 # --------------------------------------------------------------------------- the probe
 
 def try_op(port: int, evidence: str, tasks: int) -> str:
-    """Connects to 127.0.0.1:port from here; if it answers, runs the write through TF."""
+    """Connects to 127.0.0.1:port from here; if it answers, runs the write through TF, in
+    a child process (`--try_op`, see `probe_in_child`)."""
     try:
         socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS).close()
     except OSError:
         return "refused"
+    return probe_in_child(port, evidence, tasks)
+
+
+# The children still trying an op, ended when the watch gives up on them.
+_children: List[subprocess.Popen] = []
+
+
+def probe_in_child(port: int, evidence: str, tasks: int) -> str:
+    """The op, tried by a child process. Why not here: importing TensorFlow holds the GIL
+    for seconds at a time (the dlopen of its libraries: 8 s without a poll measured on a
+    loaded 2-core machine), which stalls the watch's /proc polls long enough to miss a
+    short job's ports entirely (the CI run where a 40-step job's probe saw no door)."""
+    child = subprocess.Popen([sys.executable, "-m", "tfdist.testing.stranger",
+                              f"--try_op={port}", f"--evidence={evidence}", f"--tasks={tasks}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    _children.append(child)
+    out, _ = child.communicate()
+    lines = out.strip().splitlines()
+    return lines[-1] if lines else f"probe process ended with code {child.returncode}"
+
+
+def run_op(port: int, evidence: str, tasks: int) -> str:
+    """In the child: a session to the port that runs `tf.io.write_file` (unpinned, then
+    on each worker task)."""
     import tensorflow as tf
     errors = []
     for device in [None] + [f"/job:worker/replica:0/task:{i}" for i in range(tasks)]:
@@ -207,15 +235,15 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
     import threading
     seen: Dict[tuple, Listener] = {}
     probes = []
-    # TensorFlow loads in the background: watching must start at once, because a short
-    # job can open its ports, train and end within the 4 s or more `import tensorflow`
-    # takes (the CI run where 4 modes' probes saw no port at all). A probe needs it only
-    # after its connection was accepted.
-    threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True).start()
+    started, polls, longest_poll_gap, last_poll = time.monotonic(), 0, 0.0, time.monotonic()
+    # This process never imports TensorFlow (see probe_in_child): a short job can open its
+    # ports, train and end within the seconds an import takes on a loaded machine.
 
     def probe(listener):
         evidence = os.path.join(evidence_dir, f"port{listener.port}.txt")
-        listener.probe = try_op(listener.port, evidence, tasks)
+        outcome = try_op(listener.port, evidence, tasks)
+        if not listener.probe:   # not already given up on (below)
+            listener.probe = outcome
 
     def an_op_ran():
         return any(listener.probe == "op ran" for listener in seen.values())
@@ -223,9 +251,12 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
     while os.path.exists(f"/proc/{root}") and time.monotonic() < deadline:
         if until_op_runs and an_op_ran():
             break
+        now = time.monotonic()
+        polls, longest_poll_gap, last_poll = polls + 1, max(longest_poll_gap, now - last_poll), now
         for pid in descendants(root):
             for listener in listeners_of(pid):
                 if listener.key not in seen:
+                    listener.seen_at = round(time.monotonic() - started, 2)
                     seen[listener.key] = listener
                     probes.append(threading.Thread(target=probe, args=(listener,), daemon=True))
                     probes[-1].start()
@@ -238,6 +269,12 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
     for listener in seen.values():
         if not listener.probe:
             listener.probe = f"no answer within {PROBE_SECONDS:.0f} s"
+    for child in _children:
+        if child.poll() is None:
+            child.kill()
+    # What a test needs to tell "nothing listened" from "the watch did not look".
+    print(f"stranger: watched {time.monotonic() - started:.1f} s in {polls} polls (longest "
+          f"gap {longest_poll_gap:.2f} s); {len(seen)} listening socket(s)", file=sys.stderr)
     return list(seen.values())
 
 
@@ -273,11 +310,17 @@ def main(argv=None) -> int:
     parser.add_argument("--evidence_dir", help="where the probe's op would write its file")
     parser.add_argument("--tasks", type=int, default=2, help="TF tasks to try pinning to")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--try_op", type=int, metavar="PORT", help="(the child a probe "
+                        "starts) try the op through PORT, print the outcome, and nothing else")
+    parser.add_argument("--evidence", help="with --try_op: the file the op writes")
     parser.add_argument("--until_op_runs", action="store_true", help="end the watch (not "
                         "the job) as soon as one probe's op ran")
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
+        return 0
+    if args.try_op:
+        print(run_op(args.try_op, args.evidence, args.tasks))
         return 0
     if not (args.pid and args.out and args.evidence_dir):
         parser.error("--pid, --out and --evidence_dir are required to watch a job")

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+import cpu_report
 import suite_guard
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -67,6 +68,9 @@ TIME_SENSITIVE_FILES = tuple(f"tests/{name}.py" for name in (
 def pytest_configure(config):
     suite_guard.install(config, [DTENSOR, SECOND_STREAM],
                         time_sensitive_files=TIME_SENSITIVE_FILES)
+    stream = ("dtensor" if os.environ.get(DTENSOR_PROCESS) else
+              "second" if os.environ.get(SECOND_STREAM_PROCESS) else "main")
+    cpu_report.install(config, stream)
     from tfdist import devices
     devices.simulate_cpus(SIMULATED_CPUS)
     import tensorflow as tf

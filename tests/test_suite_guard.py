@@ -144,3 +144,38 @@ def test_a_process_that_may_run_in_main_does_so_without_its_runner(files, expect
     result = run_suite(tmp_path, files, {"DEMO_MAIN_WITHOUT_RUNNER": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert expected in result.stdout.strip().splitlines()[-1], result.stdout
+
+
+def test_the_cpu_report_counts_the_children_a_test_waited_for(tmp_path):
+    """TFDIST_TEST_CPU_REPORT (tests/cpu_report.py): a test whose child process burns CPU
+    is charged that CPU, and the per-file summary adds it up."""
+    import json
+    import cpu_report
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS_DIR!r})
+        import cpu_report
+        def pytest_configure(config):
+            cpu_report.install(config, "demo")
+        """))
+    (tmp_path / "test_burn.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+        BURN = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.5: pass"
+        def test_burns_in_a_child():
+            subprocess.run([sys.executable, "-c", BURN], check=True)
+        def test_idle():
+            pass
+        """))
+    report = tmp_path / "cpu.jsonl"
+    clean = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(clean, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+                                     **{cpu_report.REPORT_ENV: str(report)}))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [json.loads(text) for text in report.read_text().splitlines()]
+    burn = next(line for line in lines if line["test"].endswith("test_burns_in_a_child"))
+    assert burn["stream"] == "demo" and burn["children_cpu"] >= 0.4, lines
+    [(file, seconds, tests)] = cpu_report.per_file(lines)
+    assert file == "test_burn.py" and seconds >= 0.4 and tests == 2, lines

@@ -1,5 +1,5 @@
 """Where the suite's CPU goes: with TFDIST_TEST_CPU_REPORT=PATH, every test appends one JSON
-line to PATH (its id, the pytest process it ran in, wall seconds, and CPU seconds of this
+line to PATH (its id, the pytest process it ran in, when it ended, wall seconds, and CPU seconds of this
 process and of the child processes it waited for, which includes the workers a launcher
 waited for). The suite's time on a 2-core machine is its CPU work over two cores, so this,
 not the wall time of a test that shared the cores, says what a cut would save.
@@ -37,7 +37,7 @@ class CpuReport:
         after = os.times()
         if item.nodeid in self.skipped:   # e.g. it runs in another pytest process
             return
-        line = {"test": item.nodeid, "stream": self.stream,
+        line = {"test": item.nodeid, "stream": self.stream, "ended": round(time.time(), 1),
                 "wall": round(time.monotonic() - wall, 2),
                 "cpu": round(after.user + after.system - before.user - before.system, 2),
                 "children_cpu": round(after.children_user + after.children_system
@@ -69,6 +69,11 @@ def main(path: str) -> None:
     rows = per_file(lines)
     total = sum(seconds for _, seconds, _ in rows)
     print(f"{len(lines)} tests, {total / 60:.1f} CPU-minutes")
+    start = min(line["ended"] - line["wall"] for line in lines)
+    for stream in sorted({line["stream"] for line in lines}):
+        ends = [line["ended"] for line in lines if line["stream"] == stream]
+        print(f"  stream {stream}: last test ended {(max(ends) - start) / 60:.1f} min "
+              f"after the first began")
     for file, seconds, count in rows:
         print(f"{seconds:8.0f} s {100 * seconds / total:5.1f}%  {count:4d}  {file}")
 

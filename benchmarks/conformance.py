@@ -20,7 +20,8 @@ A cell lands in exactly one of:
                    TensorFlow error, a UsageError after training started), a timeout.
 A cell's verdict is the worse of its two optimizers' (SILENT > announced > refused > exact).
 A model that float32 rounding alone moves past 1e-5 (its noise floor: plain Keras from
-initial weights scaled by 1 + 1e-7) has its cells trained and judged in float64.
+initial weights scaled by 1 + 1e-7, their exact zeros set to +-1e-7) has its cells trained
+and judged in float64.
 Separately, each model with random layers (Dropout, random augmentation...) at their real
 rates trains 1 step in --random_check modes: every such layer must be named in a warning.
 
@@ -68,9 +69,9 @@ SEVERITY = (EXACT, REFUSED, ANNOUNCED, SILENT)     # a cell takes its worst opti
 GROUPS = ("local", "dtensor", "keras_distribution", "multi_worker")   # local first: the reference
 SIMULATED_CPUS = 4
 REFERENCE = "keras"                                # plain Keras on one device
-# The same, from initial weights scaled by 1 + NOISE (about one float32 ulp): how far
-# rounding alone moves this model in 8 steps. Past RTOL, no split of the batch can be
-# held to RTOL (a deep BatchNormalization net at random init amplifies 1e-7 to 1e-4
+# The same, from initial weights moved by about one float32 rounding (`perturbed`): how
+# far rounding alone moves this model in 8 steps. Past RTOL, no split of the batch can
+# be held to RTOL (a deep BatchNormalization net at random init amplifies 1e-7 to 1e-4
 # in its forward pass alone), so a cell's mismatch there says nothing about the mode.
 NOISE_FLOOR, NOISE = "keras_perturbed", 1e-7
 # Such a model's cells run in float64 instead, against plain Keras on one device in
@@ -259,8 +260,8 @@ def batches(tree, steps: int):
 def train_reference(spec, optimizer, callbacks, steps=STEPS, perturbation=0.0,
                     precision=FLOAT32):
     """Plain Keras on one device: train_on_batch over the same global batches (each call's
-    loss is exactly that step's, unlike fit's running mean); the initial weights scaled
-    by 1 + perturbation."""
+    loss is exactly that step's, unlike fit's running mean); the initial weights moved
+    by `perturbation` (see `perturbed`)."""
     import keras
     x, y = cell_data(spec, steps, precision)
     fresh_keras_state()
@@ -269,13 +270,29 @@ def train_reference(spec, optimizer, callbacks, steps=STEPS, perturbation=0.0,
     if perturbation:
         if not model.built:
             model(batches(x, 1)[0])
-        model.set_weights([w * np.asarray(1 + perturbation, w.dtype) if w.dtype.kind == "f"
-                           else w for w in model.get_weights()])
+        model.set_weights([perturbed(w, perturbation) for w in model.get_weights()])
     losses = []
     for xb, yb in zip(batches(x, steps), batches(y, steps)):
         losses.append(float(model.train_on_batch(xb, yb, return_dict=True)["loss"]))
         callbacks[0].steps_done += 1
     return losses, {"one device": model.get_weights()}
+
+
+def perturbed(weight: np.ndarray, size: float) -> np.ndarray:
+    """A float weight scaled by 1 + size, its exact zeros set to +-size (fixed signs).
+
+    Why the zeros: a bias that BatchNormalization cancels starts at 0 and holds only
+    rounding noise (its true gradient is 0), noise that differs in any other order of
+    the same sums, and a float32 net can be sensitive to it where no scaling reaches
+    (BatchNormalization undoes a kernel's scale). keras-io's Xception-like net under SGD:
+    its first conv bias at 1e-7 instead of 0 moves plain Keras' losses by 1.8e-4 in 8
+    steps, the very errors its float32 mirrored run showed (identical to 2 digits), while
+    every weight scaled by 1 + 1e-7 moved them by 2.4e-7."""
+    if weight.dtype.kind != "f":
+        return weight
+    signs = np.where(np.arange(weight.size).reshape(weight.shape) % 2 == 0, 1.0, -1.0)
+    moved = np.where(weight == 0, size * signs, weight * (1 + size))
+    return moved.astype(weight.dtype)
 
 
 def train_tfdist(spec, mode, optimizer, callbacks, random_layers=False, steps=STEPS,
@@ -873,7 +890,9 @@ def header_lines(result: dict) -> list:
         f"device; exact = per-step losses and final weights within {RTOL:g} relative. The "
         f"number after a verdict is the worst relative error (losses, and variables not "
         f"within {equivalence.ATOL:g} absolute). Noise floor: the worst per-step loss error of "
-        f"the same one-device training from initial weights scaled by 1 + {NOISE:g}; past "
+        f"the same one-device training from initial weights scaled by 1 + {NOISE:g} (its "
+        f"exact zeros set to +-{NOISE:g}: a bias BatchNormalization cancels holds rounding "
+        f"noise, which another order of the same sums changes); past "
         f"{RTOL:g}, rounding alone moves the model beyond the tolerance in float32, so that "
         f"model's cells (its noise floor marked \"→ float64\") train in float64 and are "
         f"judged against plain Keras on one device in float64, where rounding is 1e-9 of "

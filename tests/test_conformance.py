@@ -113,6 +113,18 @@ def test_a_cell_is_its_worst_optimizer():
                key=conformance.SEVERITY.index) == "SILENT MISMATCH"
 
 
+def test_the_noise_floor_moves_zeros_too():
+    """A zero (a bias BatchNormalization cancels holds only rounding noise) moves to
+    +-size; any other float entry is scaled by 1 + size; integers stay."""
+    import numpy as np
+    moved = conformance.perturbed(np.array([[0.0, 2.0], [0.0, 0.0]], np.float32), 1e-7)
+    np.testing.assert_array_equal(moved, np.array([[1e-7, 2.0 * (1 + 1e-7)], [1e-7, -1e-7]],
+                                                  np.float32))
+    assert moved.dtype == np.float32
+    counts = np.array([0, 3], np.int64)
+    assert conformance.perturbed(counts, 1e-7) is counts
+
+
 def test_bad_selections_name_the_valid_choices():
     from tfdist.errors import UsageError
     with pytest.raises(UsageError, match="unknown model or family 'resnet9'.*keras-io"):

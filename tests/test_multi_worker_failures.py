@@ -147,6 +147,32 @@ SILENT_TCP_DEFECT = pytest.mark.xfail(
     "AVX2 EPYC; 0 of 26 hand runs were late on the AVX512 EPYC (2026-12-04)")
 
 
+WATCHED_STEP = """
+import sys, time
+from tfdist.parallel import watchdog
+step = watchdog.Watchdog(0.5, "worker 0 of 2").guard_each_call(time.sleep, "a training step")
+step(1.5)              # the first call traces on every worker: it gets FIRST_CALL_SECONDS
+print("first call survived", flush=True)
+step(1.5)              # any later call gets --collective_timeout
+print("second call survived", flush=True)
+"""
+
+
+def test_a_steps_first_call_may_trace_longer_than_the_collective_timeout():
+    """A CI run's 2-worker job (--collective_timeout=10, loaded machine) was ended in its
+    first step, which traces the step on every worker, with no peer lost. The first call of
+    each guarded step now gets at least watchdog.FIRST_CALL_SECONDS; later calls keep the
+    timeout, and its message names it."""
+    done = subprocess.run([sys.executable, "-c", WATCHED_STEP], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == EXIT_CLUSTER_ERROR, done.stdout + done.stderr
+    assert done.stdout == "first call survived\n", done.stdout
+    assert done.stderr == ("tfdist: cluster error: worker 0 of 2: a training step made no progress "
+                           "for --collective_timeout=0.5 s: a peer died or stopped answering. Check "
+                           "the other workers' logs; `tfdist launch --max_restarts R` restarts the "
+                           "group.\n"), done.stderr
+
+
 @pytest.mark.parametrize("collective", ["auto", pytest.param("tcp", marks=SILENT_TCP_DEFECT)])
 def test_silent_peer_ends_the_survivor_within_the_timeout(collective, tmp_path):
     """A peer that stops answering without dying (SIGSTOP: no closed socket, no failed

@@ -175,14 +175,14 @@ class MultiWorkerParallelism(StrategyParallelism):
 
     def _guarded(self, step_fn, what: str):
         """step_fn under the watchdog: a peer that never answers ends this process (exit 3)."""
-        def guarded(iterator):
-            with self.watchdog.guard(what):
-                try:
-                    return step_fn(iterator)
-                except Exception:
-                    if self._setup_error is not None:   # raised while tracing: see _map_shared_memory
-                        raise self._setup_error from None
-                    raise
+        def with_setup_errors(iterator):
+            try:
+                return step_fn(iterator)
+            except Exception:
+                if self._setup_error is not None:   # raised while tracing: see _map_shared_memory
+                    raise self._setup_error from None
+                raise
+        guarded = self.watchdog.guard_each_call(with_setup_errors, what)
         guarded.step_fn = step_fn   # the tf.function itself: tests read the ops it traced
         return guarded
 

@@ -26,6 +26,11 @@ from typing import Optional
 from tfdist.errors import EXIT_CLUSTER_ERROR
 
 POLL_SECONDS_MAX = 1.0
+# The least a step's first call gets (the default --collective_timeout): it traces the step
+# (and, under XLA, compiles it) on every worker before the first collective can complete,
+# and a peer slow to trace is not a dead one. A CI run's 2-worker MLP with
+# --collective_timeout=10 on a loaded machine was ended in its first step, no peer lost.
+FIRST_CALL_SECONDS = 300.0
 
 
 class Watchdog:
@@ -36,22 +41,39 @@ class Watchdog:
         self.who = who                        # "worker 1 of 2", for the message
         self._deadline: Optional[float] = None
         self._what = ""
+        self._seconds = self.timeout
         self._poll = min(POLL_SECONDS_MAX, self.timeout / 10)
         self._thread = threading.Thread(target=self._watch, name="tfdist-watchdog", daemon=True)
         self._thread.start()
 
     @contextlib.contextmanager
-    def guard(self, what: str):
-        """Deadline now + timeout for the block; nested guards keep the outer one."""
+    def guard(self, what: str, seconds: Optional[float] = None):
+        """Deadline now + timeout (or `seconds`) for the block; nested guards keep the outer
+        one."""
         if self._deadline is not None:
             yield
             return
         self._what = what
-        self._deadline = time.monotonic() + self.timeout
+        self._seconds = self.timeout if seconds is None else seconds
+        self._deadline = time.monotonic() + self._seconds
         try:
             yield
         finally:
             self._deadline = None
+
+    def guard_each_call(self, fn, what: str):
+        """fn with each call guarded; the first gets at least FIRST_CALL_SECONDS (it traces)."""
+        called = []
+
+        def guarded(*args):
+            if called:
+                with self.guard(what):
+                    return fn(*args)
+            called.append(True)
+            with self.guard(f"{what} (the first: traced on every worker)",
+                            max(self.timeout, FIRST_CALL_SECONDS)):
+                return fn(*args)
+        return guarded
 
     def _watch(self) -> None:
         while True:
@@ -61,8 +83,10 @@ class Watchdog:
                 self._fire()
 
     def _fire(self) -> None:
+        limit = (f"--collective_timeout={self.timeout:g} s" if self._seconds == self.timeout
+                 else f"{self._seconds:g} s")
         message = (f"tfdist: cluster error: {self.who}: {self._what} made no progress for "
-                   f"--collective_timeout={self.timeout:g} s: a peer died or stopped answering. "
+                   f"{limit}: a peer died or stopped answering. "
                    f"Check the other workers' logs; `tfdist launch --max_restarts R` restarts "
                    f"the group.\n")
         try:

@@ -385,10 +385,7 @@ class CrossWorkerPipeline(PipelineParallelism):
         return self._guarded(super().make_eval_step(model, on_outputs), "an eval step")
 
     def _guarded(self, step, what: str):
-        def guarded(inputs):
-            with self.watchdog.guard(what):
-                return step(inputs)
-        return guarded
+        return self.watchdog.guard_each_call(step, what)
 
     def any_process(self, flag: bool) -> bool:
         """One driver decides for the job; a preemption it decides on is how it ends."""

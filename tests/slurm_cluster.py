@@ -68,17 +68,47 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Ports handed to jobs this session: two jobs given the same pair before either binds it
+# would collide.
+_handed_out = set()
+
+
 def free_port_pair() -> int:
-    """A port P with P+1 free too (`tfdist tf-config --slurm` gives task i port P+i)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("found no two consecutive free ports on 127.0.0.1")
+    """A port P with P+1 free too (`tfdist tf-config --slurm` gives task i port P+i), below
+    the kernel's ephemeral range and never handed out twice in this session. A port the
+    kernel finds free (bind to 0) lies in that range, where, until the job binds it (after
+    the queue and TensorFlow's import: seconds to minutes on a loaded machine), any
+    outgoing connection may take it: a CI run's job ended "port 36420 of task worker:1 is
+    already taken by another process", which tfdist reports rightly."""
+    first_ephemeral = ephemeral_ports()[0]
+    choices = random.Random()
+    for _ in range(1000):
+        port = choices.randrange(max(1024, first_ephemeral - 8000), first_ephemeral - 1)
+        pair = {port, port + 1}
+        if pair & _handed_out or not all(bindable(p) for p in pair):
+            continue
+        _handed_out.update(pair)
+        return port
+    raise RuntimeError(f"found no two consecutive free ports below {first_ephemeral} on 127.0.0.1")
+
+
+def ephemeral_ports() -> tuple:
+    """The kernel's range for ports it picks itself (Linux' default 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 @pytest.fixture(scope="session")

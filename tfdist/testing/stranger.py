@@ -5,8 +5,8 @@
 
 Watches process PID and its descendants until they have all ended. Each TCP port one of
 them listens on is probed once, as soon as it appears, from this host's network: this
-process connects, and where a connection is accepted a child process of its own tries
-the op (the watcher never loads TensorFlow, whose import would stall its polls). The
+process connects, and where a connection is accepted its child process tries the op
+(the watcher never loads TensorFlow, whose import would stall its polls: `Prober`). The
 probe is the attack TensorFlow's
 gRPC server admits: a `tf.compat.v1.Session("grpc://127.0.0.1:PORT")` that runs
 `tf.io.write_file` (unpinned, then on each `/job:worker/replica:0/task:I`). The file is
@@ -176,32 +176,84 @@ def owner(process: str, address: str) -> str:
 
 # --------------------------------------------------------------------------- the probe
 
-def try_op(port: int, evidence: str, tasks: int) -> str:
-    """Connects to 127.0.0.1:port from here; if it answers, runs the write through TF, in
-    a child process (`--try_op`, see `probe_in_child`)."""
+def try_op(port: int, evidence: str, prober: "Prober") -> str:
+    """Connects to 127.0.0.1:port from here; if it answers, the prober's child runs the
+    write through TF."""
     try:
         socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS).close()
     except OSError:
         return "refused"
-    return probe_in_child(port, evidence, tasks)
+    return prober.try_op(port, evidence)
 
 
-# The children still trying an op, ended when the watch gives up on them.
-_children: List[subprocess.Popen] = []
+class Prober:
+    """The child process that tries the op (`--serve_probes`): it loads TensorFlow while the
+    job starts, then takes "ID PORT EVIDENCE" lines on stdin and answers "ID OUTCOME" on
+    stdout, each probe in a thread of its own.
+
+    Why a child: importing TensorFlow holds the GIL for seconds at a time (the dlopen of its
+    libraries: 8 s without a poll measured on a loaded 2-core machine), which in the watcher
+    stalled its /proc polls long enough to miss a short job's ports entirely (the CI run
+    where a 40-step job's probe saw no door). Why one, started at once: a child per port
+    imported TensorFlow only after its port appeared, and the open-door test's job trained
+    that much longer (121 s in a CI run, against 25 s with the import overlapping start-up).
+    """
+
+    def __init__(self, tasks: int):
+        import threading
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.testing.stranger", "--serve_probes",
+             f"--tasks={tasks}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True)
+        self.outcomes: Dict[int, str] = {}
+        self.ended = False
+        self.changed = threading.Condition()
+        self.requests = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            request, _, outcome = line.rstrip("\n").partition(" ")
+            with self.changed:
+                self.outcomes[int(request)] = outcome
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
+
+    def try_op(self, port: int, evidence: str) -> str:
+        with self.changed:
+            self.requests += 1
+            request = self.requests
+            try:
+                self.process.stdin.write(f"{request} {port} {evidence}\n")
+                self.process.stdin.flush()
+            except OSError:   # the child is gone (closed below): no answer
+                return f"probe process ended with code {self.process.poll()}"
+            self.changed.wait_for(lambda: request in self.outcomes or self.ended)
+            return self.outcomes.get(request,
+                                     f"probe process ended with code {self.process.poll()}")
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
-def probe_in_child(port: int, evidence: str, tasks: int) -> str:
-    """The op, tried by a child process. Why not here: importing TensorFlow holds the GIL
-    for seconds at a time (the dlopen of its libraries: 8 s without a poll measured on a
-    loaded 2-core machine), which stalls the watch's /proc polls long enough to miss a
-    short job's ports entirely (the CI run where a 40-step job's probe saw no door)."""
-    child = subprocess.Popen([sys.executable, "-m", "tfdist.testing.stranger",
-                              f"--try_op={port}", f"--evidence={evidence}", f"--tasks={tasks}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    _children.append(child)
-    out, _ = child.communicate()
-    lines = out.strip().splitlines()
-    return lines[-1] if lines else f"probe process ended with code {child.returncode}"
+def serve_probes(tasks: int) -> None:
+    """The child's side of Prober."""
+    import importlib
+    import threading
+    importlib.import_module("tensorflow")   # now, while the job starts
+    answering = threading.Lock()
+
+    def answer(request, port, evidence):
+        outcome = run_op(int(port), evidence, tasks)
+        with answering:
+            print(f"{request} {outcome}", flush=True)
+
+    for line in sys.stdin:
+        request, port, evidence = line.rstrip("\n").split(" ", 2)
+        threading.Thread(target=answer, args=(request, port, evidence), daemon=True).start()
 
 
 def run_op(port: int, evidence: str, tasks: int) -> str:
@@ -236,12 +288,11 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
     seen: Dict[tuple, Listener] = {}
     probes = []
     started, polls, longest_poll_gap, last_poll = time.monotonic(), 0, 0.0, time.monotonic()
-    # This process never imports TensorFlow (see probe_in_child): a short job can open its
-    # ports, train and end within the seconds an import takes on a loaded machine.
+    prober = Prober(tasks)   # this process never imports TensorFlow (see Prober)
 
     def probe(listener):
         evidence = os.path.join(evidence_dir, f"port{listener.port}.txt")
-        outcome = try_op(listener.port, evidence, tasks)
+        outcome = try_op(listener.port, evidence, prober)
         if not listener.probe:   # not already given up on (below)
             listener.probe = outcome
 
@@ -269,9 +320,7 @@ def watch(root: int, evidence_dir: str, tasks: int, deadline: float,
     for listener in seen.values():
         if not listener.probe:
             listener.probe = f"no answer within {PROBE_SECONDS:.0f} s"
-    for child in _children:
-        if child.poll() is None:
-            child.kill()
+    prober.close()
     # What a test needs to tell "nothing listened" from "the watch did not look".
     print(f"stranger: watched {time.monotonic() - started:.1f} s in {polls} polls (longest "
           f"gap {longest_poll_gap:.2f} s); {len(seen)} listening socket(s)", file=sys.stderr)
@@ -310,17 +359,16 @@ def main(argv=None) -> int:
     parser.add_argument("--evidence_dir", help="where the probe's op would write its file")
     parser.add_argument("--tasks", type=int, default=2, help="TF tasks to try pinning to")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--try_op", type=int, metavar="PORT", help="(the child a probe "
-                        "starts) try the op through PORT, print the outcome, and nothing else")
-    parser.add_argument("--evidence", help="with --try_op: the file the op writes")
+    parser.add_argument("--serve_probes", action="store_true", help="(the watcher's child) "
+                        "try the op on each 'ID PORT EVIDENCE' line of stdin")
     parser.add_argument("--until_op_runs", action="store_true", help="end the watch (not "
                         "the job) as soon as one probe's op ran")
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
         return 0
-    if args.try_op:
-        print(run_op(args.try_op, args.evidence, args.tasks))
+    if args.serve_probes:
+        serve_probes(args.tasks)
         return 0
     if not (args.pid and args.out and args.evidence_dir):
         parser.error("--pid, --out and --evidence_dir are required to watch a job")

@@ -233,22 +233,14 @@ def all_layers(model) -> list:
 
 def random_layer_names(model) -> List[str]:
     """Layers that draw random numbers in training: those holding a SeedGenerator, except
-    where every rate that draws is 0. Keras' recurrent cells (LSTMCell, GRUCell,
-    SimpleRNNCell) hold one whatever their rates and draw only for dropout or
-    recurrent_dropout (DropoutRNNCell's masks are None at 0), as Dropout draws nothing at
-    rate 0: keras-io's LSTM models, which use no dropout, were listed as random."""
+    where every rate that draws is 0 (tfdist.train.guarantee.switched_off: Keras' recurrent
+    cells hold one whatever their rates and draw only for dropout or recurrent_dropout;
+    keras-io's LSTM models, which use no dropout, were listed as random)."""
     import keras
+    from tfdist.train import guarantee
     return [layer.name for layer in all_layers(model)
             if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-            and not _draws_nothing(layer)]
-
-
-def _draws_nothing(layer) -> bool:
-    for rates in (("rate",), ("dropout", "recurrent_dropout")):
-        values = [getattr(layer, name, None) for name in rates]
-        if all(isinstance(value, (int, float)) and value == 0 for value in values):
-            return True
-    return False
+            and not guarantee.switched_off(layer)]
 
 
 def probe(spec: zoo.ZooModel, random_layers: bool = False):

@@ -214,6 +214,8 @@ class Prober:
     def _read(self) -> None:
         for line in self.process.stdout:
             request, _, outcome = line.rstrip("\n").partition(" ")
+            if not request.isdigit():   # not an answer (a library printing): never a verdict
+                continue
             with self.changed:
                 self.outcomes[int(request)] = outcome
                 self.changed.notify_all()
@@ -228,7 +230,7 @@ class Prober:
             try:
                 self.process.stdin.write(f"{request} {port} {evidence}\n")
                 self.process.stdin.flush()
-            except OSError:   # the child is gone (closed below): no answer
+            except OSError:   # the child is gone: no answer
                 return f"probe process ended with code {self.process.poll()}"
             self.changed.wait_for(lambda: request in self.outcomes or self.ended)
             return self.outcomes.get(request,

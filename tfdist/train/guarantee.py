@@ -34,7 +34,7 @@ def stochastic_layers(model) -> List[str]:
     return [f"{layer.name} ({type(layer).__name__})"
             for layer in keras_fixes.all_layers(model)
             if any(isinstance(value, keras.random.SeedGenerator)
-                   for value in vars(layer).values()) and not _switched_off(layer)]
+                   for value in vars(layer).values()) and not switched_off(layer)]
 
 
 # Knobs that, all at 0, switch a layer's randomness off. Recurrent cells (LSTMCell,
@@ -44,7 +44,7 @@ def stochastic_layers(model) -> List[str]:
 SWITCHES = (("rate",), ("stddev",), ("dropout", "recurrent_dropout"))
 
 
-def _switched_off(layer) -> bool:
+def switched_off(layer) -> bool:
     """Dropout-like layers at rate 0, noise at stddev 0 and recurrent cells at dropout and
     recurrent_dropout 0 draw nothing (Keras skips them)."""
     for knobs in SWITCHES:

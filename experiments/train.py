@@ -101,6 +101,14 @@ flags.DEFINE_enum("batch_statistics", "global", list(cfg.BATCH_STATISTICS),
 flags.DEFINE_integer("accumulation_steps", 1, "Gradient accumulation: each global batch in K "
                      "micro-batches, one optimizer update (less activation memory; the same "
                      "numbers as the whole batch at once).")
+flags.DEFINE_enum("remat", None, list(cfg.REMAT_MODES), "Activation recomputation (Keras' "
+                  "RematScope modes, applied to the built model): layers keep only their "
+                  "inputs and run again in the backward pass (less activation memory, more "
+                  "compute; the same numbers).")
+flags.DEFINE_list("remat_layers", [], "--remat=list_of_layers: the names of the layers to "
+                  "recompute.")
+flags.DEFINE_integer("remat_threshold", 1024, "--remat=larger_than: recompute layers whose "
+                     "output has more values per example than this.")
 # Outputs.
 flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun to resume.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
@@ -146,7 +154,8 @@ def config_from_flags() -> cfg.RunConfig:
         eval_every=FLAGS.eval_every, log_every=FLAGS.log_every, profile_steps=profile,
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
         trainer=FLAGS.trainer, batch_statistics=FLAGS.batch_statistics,
-        accumulation_steps=FLAGS.accumulation_steps)
+        accumulation_steps=FLAGS.accumulation_steps, remat=FLAGS.remat,
+        remat_layers=tuple(FLAGS.remat_layers), remat_threshold=FLAGS.remat_threshold)
 
 
 def _names(text):

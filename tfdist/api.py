@@ -387,6 +387,10 @@ class Strategy:
             accumulation.check_model(model, self.config.accumulation_steps, self.parallel.name)
             guarantee.announce(model, self.parallel.name)
         trained, optimizer, loaded, set_aside = self._adopt_with_optimizer(model, training)
+        if training:   # on the model the mode trains (a copy or shards), before any trace
+            from tfdist.train import remat
+            remat.apply(trained, self.config.remat, self.config.remat_layers,
+                        self.config.remat_threshold, where=f"{self.parallel.name}: ")
         adoption = _Adoption(trained, optimizer, model.optimizer, loaded, set_aside)
         self._adopted[id(model)] = adoption
         self._predict_steps.pop(id(model), None)

@@ -27,6 +27,8 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED = "interleaved_1f1b"   # the one schedule with --virtual_stages
 TRAINERS = ("loop", "fit")
 BATCH_STATISTICS = ("global", "per_replica")   # tfdist/train/batch_stats.py
+# Keras' RematScope mode names (tfdist/train/remat.py applies them to a built model)
+REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 AUTO = -1
 
 
@@ -136,6 +138,10 @@ class RunConfig:
     # K micro-batches of each global batch, their gradients summed, one optimizer update
     # (train/accumulation.py); 1: the whole batch at once
     accumulation_steps: int = 1
+    # activation recomputation (train/remat.py), Keras' RematScope mode names; None: none
+    remat: Optional[str] = None
+    remat_layers: Tuple[str, ...] = ()   # --remat=list_of_layers: the layers' names
+    remat_threshold: int = 1024          # --remat=larger_than: values per example
 
     def __post_init__(self):
         from tfdist import parallel
@@ -145,6 +151,7 @@ class RunConfig:
         _one_of("trainer", self.trainer, TRAINERS)
         _one_of("batch_statistics", self.batch_statistics, BATCH_STATISTICS)
         self._validate_accumulation()
+        self._validate_remat()
         if self.mixed_precision is not None:
             _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         require(self.simulate_devices >= AUTO,
@@ -191,6 +198,15 @@ class RunConfig:
                 f"--accumulation_steps={self.accumulation_steps} works with --trainer=loop "
                 f"(tfdist's step splits the batch); got --trainer={self.trainer}, whose Keras "
                 f"fit steps take the batch whole. Use --trainer=loop.")
+
+    def _validate_remat(self):
+        object.__setattr__(self, "remat_layers", tuple(self.remat_layers or ()))
+        if self.remat is not None:
+            _one_of("remat", self.remat, REMAT_MODES)
+        require((self.remat == "list_of_layers") == bool(self.remat_layers),
+                f"--remat_layers={','.join(self.remat_layers)!r} goes with "
+                f"--remat=list_of_layers, and that mode needs it; got --remat={self.remat!r}.")
+        _positive("remat_threshold", self.remat_threshold)
 
     def _validate_profile_steps(self):
         if self.profile_steps is None:

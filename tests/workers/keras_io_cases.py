@@ -23,11 +23,12 @@ from tfdist.testing import equivalence  # noqa: E402
 
 
 def main(collective: str, cases: str, out_dir: str, *options: str) -> None:
-    """`options`: further tfdist.Strategy options as NAME=INT (accumulation_steps=4)."""
+    """`options`: further tfdist.Strategy options as NAME=VALUE (accumulation_steps=4, remat=full)."""
     import keras
     import tfdist
     rank = os.environ.get("TFDIST_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
-    extra = {name: int(value) for name, value in (o.split("=") for o in options)}
+    extra = {name: int(value) if value.isdigit() else value
+             for name, value in (o.split("=") for o in options)}
     strategy = tfdist.Strategy("multi_worker_mirrored", collective=collective, seed=0,
                                simulate_devices=0, **extra)
     for case in cases.split(","):

@@ -50,12 +50,18 @@ def layers_writing_weights(model) -> List[str]:
 
     Traced only when the model has non-trainable weights: every layer known to write
     in call keeps such a weight (a statistic, a power-iteration vector, a state)."""
+    owners = _owners(model)
+    return [f"'{_name(owners[id(w)])}' ({type(owners[id(w)]).__name__}) writes {w.path}"
+            for w in written_weights(model)]
+
+
+def written_weights(model) -> list:
+    """The weights the model's training forward pass writes (traced only when it has
+    non-trainable weights, as above)."""
     if not model.non_trainable_weights:
         return []
     written = _written_variables(model)
-    owners = _owners(model)
-    return [f"'{_name(owners[id(w)])}' ({type(owners[id(w)]).__name__}) writes {w.path}"
-            for w in model.weights if id(w.value.handle) in written]
+    return [w for w in model.weights if id(w.value.handle) in written]
 
 
 def _written_variables(model) -> set:

@@ -64,7 +64,7 @@ from tfdist.errors import UsageError  # noqa: E402
 from tfdist.train import progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "allreduce", "throughput", "network", "bubble", "scaling", "memory", "input", "soak",
+SUITES = ("loop", "allreduce", "throughput", "network", "bubble", "scaling", "memory", "remat", "input", "soak",
           "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline",
           "conformance")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
@@ -189,6 +189,9 @@ def main(argv):
         elif FLAGS.suite == "memory":
             from benchmarks import memory
             rows = memory.compare_all()
+        elif FLAGS.suite == "remat":
+            from benchmarks import remat   # no TensorFlow here: a process per measurement
+            rows = remat.compare(_given_or("trials", 3))
         elif FLAGS.suite == "input":
             os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
             from benchmarks import input_pipeline  # imports TF: after the thread limits

@@ -54,6 +54,8 @@ CONFIGS = (  # `tfdist plan` flags: one per registry model, big enough to dwarf 
      "--global_batch_size=256", "--optimizer=sgd"),
     ("--model=cnn", "--dataset=digits", "--global_batch_size=256"),
     ("--model=transformer", "--dataset=text", "--global_batch_size=32"),
+    ("--model=transformer", "--dataset=text", "--global_batch_size=32", "--num_layers=8",
+     "--remat=full"),
     ("--model=resnet", "--dataset=synthetic", "--synthetic_shape=32,32,3", "--filters=16,32",
      "--global_batch_size=64"),
 )
@@ -161,7 +163,8 @@ def compare(plan_flags: List[str]) -> Dict:
     estimate = per_device(Candidate("default", 1, replicas=1), work)[0]
     config = cfg.RunConfig(strategy="default", simulate_devices=0, model=command.model_config(args),
                            data=command.data_config(args), optimizer=args.optimizer,
-                           global_batch_size=args.global_batch_size, train_steps=3)
+                           global_batch_size=args.global_batch_size, train_steps=3,
+                           remat=args.remat)
     measured = measured_transient_bytes(config)
     predicted = estimate.gradients + estimate.activations
     return {"config": shlex.join(plan_flags), "allocator": allocator_name(),

@@ -13,6 +13,7 @@ from helpers import REPO
 from tfdist import cli, config as cfg, data, models, parallel as parallel_lib
 from tfdist.parallel.pipeline import partition
 from tfdist.plan import command, inventory as inventory_lib
+from tfdist.plan.memory import Candidate, per_device
 from tfdist.train import runner
 
 MODEL_FLAGS = {
@@ -157,6 +158,31 @@ def test_recommendation_runs_with_its_flags_and_reports_its_bytes(model, tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     reported = json.loads(results.read_text())["param_bytes_per_device"]
     assert reported == plan["recommended"]["param_bytes_per_device"]
+
+
+def test_recomputation_counts_each_block_by_its_input_and_one_block_at_a_time():
+    """--remat=full (tfdist/train/remat.py): a recomputed transformer block holds its
+    input until the backward pass reaches it, then its own activations, one block at a
+    time; the plan's command carries the flag."""
+    flags = ["--model=transformer", "--num_layers=8", "--dataset=text", "--seq_len=16",
+             "--global_batch_size=8"]
+    args, plain, _ = parse(flags, devices=1)
+    _, recomputing, _ = parse(flags, devices=1, extra=["--remat=full"])
+    assert recomputing.remat == "full" and plain.remat is None
+    one = Candidate("default", 1, replicas=1)
+    before, after = per_device(one, plain)[0], per_device(one, recomputing)[0]
+    blocks = [layer for layer in plain.inventory.layers if layer.name.startswith("block_")]
+    assert len(blocks) == 8
+    block, kept = blocks[0].saved * 4, blocks[0].kept_when_recomputed * 4
+    assert before.activations - after.activations == 8 * (8 * (block - kept)) - 8 * (block - kept)
+    assert after.gradients == before.gradients and after.params == before.params
+
+
+def test_the_plan_command_asks_for_the_recomputation_it_counted(capsys):
+    assert cli.main(["plan", "--devices=1", "--memory_per_device=16GiB", "--model=transformer",
+                     "--dataset=text", "--remat=full", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert "--remat=full" in answer["command"]
 
 
 # --------------------------------------------------------------------------- answers and errors

@@ -26,6 +26,15 @@ from tfdist import config as cfg
 from tfdist.errors import UsageError
 from tfdist.testing import equivalence
 
+@pytest.fixture(autouse=True)
+def grappler_as_it_was():
+    """Recomputation turns grappler's dependency optimizer off for the process (remat.py);
+    the tests after these get it back on (its default). Numbers do not depend on it."""
+    yield
+    import tensorflow as tf
+    tf.config.optimizer.set_experimental_options({"dependency_optimization": True})
+
+
 MODES = {
     "default full": dict(strategy="default", remat="full"),
     "mirrored x2 full": dict(strategy="mirrored", simulate_devices=2, remat="full"),
@@ -221,3 +230,71 @@ def test_keras_remat_scope_still_fails_in_a_tf_function():
     x = tf.ones((2, 3))
     with pytest.raises(ValueError, match="keywords arguments only when eager"):
         tf.function(lambda t: layer(t, training=True))(x)
+
+
+# ------------------------------------------------------------------ Keras' own RematScope
+
+def test_a_model_built_under_keras_remat_scope_trains_like_one_device(caplog):
+    """Keras' RematScope alone fails in tfdist's (and any) tf.function on TensorFlow
+    (keras-team/keras#21207, the canary above); tfdist recomputes those layers itself."""
+    import keras
+    build, x, y, fit_kwargs = keras_io_models.case("frozen", "adam")
+
+    def build_in_scope():
+        with keras.RematScope(mode="full"):
+            return build()
+
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        run = equivalence.train_keras("mirrored", build_in_scope, x, y, fit_kwargs=fit_kwargs,
+                                      label="mirrored x2 under keras.RematScope",
+                                      simulate_devices=2)
+    said = [r.getMessage() for r in caplog.records if "recomputes" in r.getMessage()]
+    assert len(said) == 1 and "keras.RematScope" in said[0], said
+    # frozen_base, frozen_inside and its two Dense, head: Keras' "full" is every layer.
+    assert recomputed_count(said[0]) == 5, said
+    report = equivalence.compare_runs(one_device("frozen:adam"), run)
+    assert report.equivalent, str(report)
+
+
+def test_keras_still_records_the_remat_scope_on_each_layer():
+    """Canary for tfdist/train/remat.py's private read of Operation._remat_mode."""
+    import keras
+    with keras.RematScope(mode="larger_than", output_size_threshold=7):
+        layer = keras.layers.Dense(2)
+    assert layer._remat_mode.mode == "larger_than"
+    assert layer._remat_mode.output_size_threshold == 7
+    assert keras.layers.Dense(2)._remat_mode is None
+
+
+@pytest.mark.dtensor
+def test_keras_distribution_trains_a_model_built_under_keras_remat_scope(caplog):
+    """Keras' own model.fit under DataParallel (tfdist.enable_keras_distribution), the
+    model built under keras.RematScope: tfdist's steps recompute those layers."""
+    import keras
+    import tfdist
+    from tfdist import keras_distribution
+    case = "frozen:adam"
+    build, x, y, fit_kwargs = keras_io_models.case(*case.split(":"))
+    tfdist.enable_keras_distribution()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")[:4]))
+    try:
+        keras.utils.set_random_seed(0)
+        with keras.RematScope(mode="full"):
+            model = build()
+        recorder = equivalence.LogRecorder(lambda: model.get_weights())
+        with caplog.at_level(logging.INFO, logger="tfdist"):
+            model.fit(x, y, verbose=0, callbacks=[recorder], **fit_kwargs)
+        strategy = keras_distribution.strategy_for(keras.distribution.distribution())
+        run = equivalence.KerasRun("keras DataParallel x4 under RematScope",
+                                   list(strategy.last_result.losses),
+                                   {"model": model.get_weights()},
+                                   [v.path for v in model.weights], recorder.batch_logs,
+                                   recorder.epoch_logs, [])
+    finally:
+        keras.distribution.set_distribution(None)
+    said = [r.getMessage() for r in caplog.records if "recomputes" in r.getMessage()]
+    assert len(said) == 1 and recomputed_count(said[0]) == 5, said
+    report = equivalence.compare_runs(one_device(case), run)
+    assert len(run.losses) == 8
+    assert report.equivalent, str(report)

@@ -70,6 +70,8 @@ def build_parser():
     p.add_argument("--optimizer", default="adam", help=", ".join(cfg.OPTIMIZERS))
     p.add_argument("--dtype", default="float32", help=", ".join(DTYPES))
     p.add_argument("--global_batch_size", type=int, default=64)
+    p.add_argument("--remat", choices=("full",), default=None,
+                   help="activation recomputation the plan counts on (the run's --remat)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -92,7 +94,8 @@ def parse(argv: List[str]):
                         args.device_type, args.reserve)
     inventory, known = _inventory(args)
     mixed = None if args.dtype == "float32" else args.dtype
-    return args, Workload(inventory, args.optimizer, args.global_batch_size, mixed, known), hardware
+    return args, Workload(inventory, args.optimizer, args.global_batch_size, mixed, known,
+                          args.remat), hardware
 
 
 def _inventory(args):
@@ -134,6 +137,8 @@ def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
     flags += [f"--optimizer={args.optimizer}", f"--global_batch_size={args.global_batch_size}"]
     if args.dtype != "float32":
         flags.append(f"--mixed_precision={args.dtype}")
+    if args.remat:
+        flags.append(f"--remat={args.remat}")
     per_worker = hardware.devices // hardware.workers
     device_flag = "--simulate_devices" if hardware.device_type == "cpu" else "--num_gpus"
     if hardware.workers == 1 or hardware.device_type == "gpu":

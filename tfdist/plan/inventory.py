@@ -46,6 +46,10 @@ class Layer:
     saved_split: int = 0        # the part of `saved` megatron splits over the model axis
     saved_float32: int = 0      # activation elements that stay float32 under mixed precision
     cut_before: bool = True     # a pipeline stage may start at this layer
+    # --remat=full: the elements per example this layer keeps when recomputed (its input);
+    # None where the planner counts no saving (an embedding, or a single layer whose
+    # own intermediates are small next to its output: only blocks are counted)
+    kept_when_recomputed: Optional[int] = None
 
     @property
     def params(self) -> int:
@@ -210,7 +214,8 @@ def _transformer_block(name: str, seq_len: int, config) -> Layer:
     # Split under megatron: q, k, v, scores, probabilities, context (whole heads) and
     # the MLP hidden (pre- and post-gelu); full: 2 norms, 2 projections, 2 residuals.
     split = 4 * seq_len * d + 2 * heads * seq_len * seq_len + 2 * seq_len * f
-    return Layer(name, weights, saved=6 * seq_len * d + split, saved_split=split)
+    return Layer(name, weights, saved=6 * seq_len * d + split, saved_split=split,
+                 kept_when_recomputed=seq_len * d)
 
 
 def _require_image(name: str, shape: ModelShape) -> None:

@@ -13,7 +13,9 @@ State is parameters plus optimizer state, counted the way the modes store it
   its layers, their slots and its own optimizer's scalars.
 Gradients take the trainable weights' bytes (float32), sharded like them.
 Activations are the inventory's per-example estimate times the examples a device
-holds at the peak (GPipe: all M micro-batches in flight; 1F1B: min(M, S - k)).
+holds at the peak (GPipe: all M micro-batches in flight; 1F1B: min(M, S - k)). Under
+--remat=full a recomputed block holds only its input, plus one block's own activations
+while it is recomputed (tfdist/train/remat.py).
 """
 
 import contextlib
@@ -78,6 +80,7 @@ class Workload:
     global_batch_size: int
     mixed_precision: Optional[str] = None
     activations_known: bool = True
+    remat: Optional[str] = None   # "full": blocks keep their input, one recomputed at a time
 
     @property
     def slots(self) -> int:
@@ -120,12 +123,20 @@ def _activation_bytes(layers, work: Workload, examples: float, model_ways: int) 
     if not work.activations_known:
         return 0
     itemsize = ACTIVATION_BYTES[work.mixed_precision]
-    per_example = 0.0
+    per_example = recomputing = 0.0
     for layer in layers:
         full = layer.saved - layer.saved_split
-        per_example += (full + layer.saved_split / model_ways) * itemsize
+        saved = (full + layer.saved_split / model_ways) * itemsize
+        if work.remat == "full" and layer.kept_when_recomputed is not None:
+            # Until the backward pass reaches it, a recomputed block holds its input; then
+            # its own activations come back, one block at a time.
+            kept = layer.kept_when_recomputed * itemsize
+            per_example += kept
+            recomputing = max(recomputing, saved - kept)
+        else:
+            per_example += saved
         per_example += layer.saved_float32 * FLOAT32
-    return int(round(per_example * examples))
+    return int(round((per_example + recomputing) * examples))
 
 
 def shard_counts(inventory: Inventory, candidate: Candidate) -> Dict[str, int]:

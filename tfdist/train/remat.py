@@ -59,13 +59,14 @@ def apply(model, mode: Optional[str], layer_names: Iterable[str] = (),
     """Wraps the chosen layers of `model` (the one the steps call; before their first
     trace). Returns the names of the recomputed layers; logs the ones left out."""
     if mode is None or getattr(model, "_tfdist_remat", None) == mode:
-        return []
+        return recomputed_layers(model)
     model._tfdist_remat = mode
     if mode == "activations":
         chosen = [layer for layer in all_layers(model) if _has_activation(layer)]
         for layer in chosen:
             layer.activation = _recomputed(layer.activation)
-        return _said(where, mode, [layer.name for layer in chosen], [])
+        model._tfdist_recomputed = [layer.name for layer in chosen]
+        return _said(where, mode, model._tfdist_recomputed, [])
     unsafe = _not_recomputable(model)
     if mode == "list_of_layers":
         candidates = _named(model, tuple(layer_names))
@@ -83,16 +84,92 @@ def apply(model, mode: Optional[str], layer_names: Iterable[str] = (),
         chosen = [layer for layer in chosen if _values_per_example(layer) > threshold]
     for layer in chosen:
         layer.call = _recomputed_call(layer.call)
-    return _said(where, mode, [layer.name for layer in chosen], left_out)
+    model._tfdist_recomputed = [layer.name for layer in chosen]
+    return _said(where, mode, model._tfdist_recomputed, left_out)
 
 
-def _said(where: str, mode: str, chosen: List[str], left_out: List[str]) -> List[str]:
-    log.info("%s--remat=%s recomputes %d layer(s) in the backward pass: %s", where, mode,
+def adopt_keras_scopes(user_model, trained, where: str = "") -> List[str]:
+    """Layers the user built under `keras.RematScope` are recomputed by tfdist's wrapping
+    instead of Keras' (which fails in any tf.function on TensorFlow, keras-team/keras#21207),
+    on the model the mode trains (a copy keeps no scope: clone_model rebuilds layers
+    outside it), matched by name. Keras' meaning per layer, with the same exclusions as
+    the option; a nested model is entered, not recomputed whole. Returns the names
+    recomputed.
+
+    Private: Keras records a layer's scope only in `Operation._remat_mode` (no public
+    accessor); the canary tests/test_remat.py::test_keras_still_records_the_remat_scope_on_each_layer
+    fails when that changes."""
+    marks = getattr(user_model, "_tfdist_keras_remat", None)
+    if marks is None:   # read once: the marks are cleared below, and a new compile comes back
+        marks = {layer.name: layer._remat_mode for layer in all_layers(user_model)
+                 if getattr(layer, "_remat_mode", None) is not None}
+        user_model._tfdist_keras_remat = marks
+    if not marks or getattr(trained, "_tfdist_remat", None) is not None:
+        return []
+    trained._tfdist_remat = "keras.RematScope"
+    for model in {id(user_model): user_model, id(trained): trained}.values():
+        for layer in all_layers(model):
+            if getattr(layer, "_remat_mode", None) is not None:
+                layer._remat_mode = None   # Keras' own path off: tfdist's wrapping runs instead
+    unsafe = _not_recomputable(trained)
+    chosen, left_out = [], []
+    for layer in all_layers(trained):
+        mode = marks.get(layer.name)
+        if mode is None or isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        if mode.mode == "activations":
+            if _has_activation(layer):
+                layer.activation = _recomputed(layer.activation)
+                chosen.append(layer.name)
+            continue
+        if mode.mode == "list_of_layers" and layer.name not in mode.layer_names:
+            continue
+        if (mode.mode == "larger_than"
+                and _values_per_example(layer) <= mode.output_size_threshold):
+            continue
+        if id(layer) in unsafe:
+            left_out.append(f"{layer.name} ({unsafe[id(layer)]})")
+            continue
+        layer.call = _recomputed_call(layer.call)
+        chosen.append(layer.name)
+    trained._tfdist_recomputed = chosen
+    return _said(where, "keras.RematScope", chosen, left_out, "")
+
+
+def recomputed_layers(model) -> List[str]:
+    """The names of the layers tfdist recomputes in `model` (after apply)."""
+    return list(getattr(model, "_tfdist_recomputed", []))
+
+
+def _said(where: str, mode: str, chosen: List[str], left_out: List[str],
+          option: str = "--remat=") -> List[str]:
+    log.info("%s%s%s recomputes %d layer(s) in the backward pass: %s", where, option, mode,
              len(chosen), _listed(chosen))
+    if chosen:
+        _keep_recomputation_in_the_backward_pass(where)
     if left_out:
-        log.warning("%s--remat=%s leaves out, to stay exact: %s", where, mode,
+        log.warning("%s%s%s leaves out, to stay exact: %s", where, option, mode,
                     _listed(left_out))
     return chosen
+
+
+def _keep_recomputation_in_the_backward_pass(where: str) -> None:
+    """Turns off grappler's dependency optimizer, unless the user set it.
+
+    tf.recompute_grad holds the recomputed forward pass back with control dependencies
+    until the backward pass reaches it; the dependency optimizer removes them, so the
+    recomputation runs early and its activations live as long as the originals would
+    (tensorflow/tensorflow#57205, closed without a fix). Measured on an 8-block
+    transformer (python -m benchmarks --suite=remat): with it on, --remat=full saves
+    about 45% of the step's activations; off, over 80%."""
+    options = tf.config.optimizer.get_experimental_options()
+    if options.get("dependency_optimization") is not None:
+        return   # set already: the user's own choice (or tfdist's) stands
+    tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
+    log.info("%srecomputation: TensorFlow's dependency optimizer (grappler) is off in this "
+             "process, since it would run the recomputation early and keep its activations "
+             "(tf.config.optimizer.set_experimental_options({'dependency_optimization': "
+             "True}) before training keeps it on).", where)
 
 
 def _recomputed_call(call):

@@ -97,8 +97,13 @@ def save_outputs(config: RunConfig, strategy, model) -> None:
 
 
 def build_model_and_optimizer(config: RunConfig, parallel, info):
-    """(the model the steps train, its optimizer) for --model."""
-    return parallel.adopt(build_model(config, parallel, info))
+    """(the model the steps train, its optimizer) for --model, with --remat applied to
+    it (what Strategy.prepare does for a user's model; this path skips prepare)."""
+    from tfdist.train import remat
+    model, optimizer = parallel.adopt(build_model(config, parallel, info))
+    remat.apply(model, config.remat, config.remat_layers, config.remat_threshold,
+                where=f"{parallel.name}: ")
+    return model, optimizer
 
 
 def train_plan(config: RunConfig, source, steps: int, callbacks=()) -> TrainPlan:

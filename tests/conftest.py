@@ -22,11 +22,16 @@ SIMULATED_CPUS = 4
 # CancelledError in the sharded step), whichever runs first. A user process runs
 # one mode, so this only concerns the shared test process.
 # The one list of what runs there: these files, and any test marked `dtensor`.
+# tests/test_docs_examples.py runs there too, for balance: every example is a process of
+# its own, so it shares no state with the DTensor tests, and the DTensor process ended 20
+# minutes before the main one in the CI run of 7dc3bbf (tests/cpu_report.py), with the
+# examples' 6 minutes on the main process's critical path.
 DTENSOR_PROCESS = "TFDIST_DTENSOR_PROCESS"
 DTENSOR = suite_guard.Process(
     env_var=DTENSOR_PROCESS, runner="tests/test_isolated_dtensor.py", marker="dtensor",
     files=("tests/test_dtensor.py", "tests/test_dtensor_multiclient.py",
-           "tests/test_dtensor_plan.py"))
+           "tests/test_dtensor_plan.py"),
+    balance_files=("tests/test_docs_examples.py",))
 
 
 # A second stream of the main suite's tests, in a pytest process started beside the main
@@ -44,7 +49,7 @@ SECOND_STREAM_FILES = tuple(f"tests/{name}.py" for name in (
     "test_plan", "test_keras_io_guide", "test_pipeline_keras_hub", "test_user_code",
     "test_user_data", "test_models", "test_training", "test_equivalence_mirrored",
     "test_mpi", "test_data_sources", "test_one_process_modes", "test_keras_io_equivalence",
-    "test_guarantee", "test_stranger"))
+    "test_guarantee", "test_stranger", "test_remat"))
 SECOND_STREAM_PROCESS = "TFDIST_SECOND_STREAM"
 SECOND_STREAM = suite_guard.Process(
     env_var=SECOND_STREAM_PROCESS, runner="tests/test_second_stream.py",

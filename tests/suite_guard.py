@@ -73,6 +73,9 @@ class Process:
     marker: Optional[str] = None      # ... and every test with this marker
     nice: int = 19                    # started early at this niceness (see the docstring)
     main_without_runner: bool = False  # its tests may run in the main process instead
+    # Files it runs only to balance the streams (they share nothing with its own tests):
+    # like main_without_runner, in the main process when the session lacks the runner.
+    balance_files: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -124,8 +127,10 @@ def process_of(item, selected_files: Set[str] = frozenset()) -> Optional[str]:
         return marker.args[0]
     path = pathlib.Path(item.path).relative_to(item.config.rootpath).as_posix()
     for process in _state.processes:
-        if path in process.files or (process.marker and item.get_closest_marker(process.marker)):
-            if (process.main_without_runner and process.runner not in selected_files
+        balance = path in process.balance_files
+        if (path in process.files or balance
+                or (process.marker and item.get_closest_marker(process.marker))):
+            if ((process.main_without_runner or balance) and process.runner not in selected_files
                     and not os.environ.get(process.env_var)):
                 return None
             return process.env_var

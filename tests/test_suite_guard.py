@@ -25,7 +25,8 @@ import suite_guard
 def pytest_configure(config):
     suite_guard.install(config, [suite_guard.Process(
         env_var={PROCESS!r}, runner="test_runner.py", files=("test_elsewhere.py",),
-        main_without_runner=bool(os.environ.get("DEMO_MAIN_WITHOUT_RUNNER")))])
+        main_without_runner=bool(os.environ.get("DEMO_MAIN_WITHOUT_RUNNER")),
+        balance_files=("test_balanced.py",))])
 
 @pytest.fixture
 def run_own_process(request, tmp_path):
@@ -144,6 +145,17 @@ def test_a_process_that_may_run_in_main_does_so_without_its_runner(files, expect
     result = run_suite(tmp_path, files, {"DEMO_MAIN_WITHOUT_RUNNER": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert expected in result.stdout.strip().splitlines()[-1], result.stdout
+
+
+def test_a_file_run_elsewhere_for_balance_runs_in_main_without_the_runner(tmp_path):
+    """conftest.DTENSOR's balance_files (tests/test_docs_examples.py): `pytest` of that file
+    alone runs it here; in the suite (runner included) it runs in the other process."""
+    alone = run_suite(tmp_path, {"test_balanced.py": ELSEWHERE})
+    assert alone.returncode == 0 and "2 passed" in alone.stdout, alone.stdout + alone.stderr
+    runner = RUNNER.replace('["test_elsewhere.py"]', '["test_balanced.py"]')
+    with_runner = run_suite(tmp_path, {"test_balanced.py": ELSEWHERE, "test_runner.py": runner})
+    assert with_runner.returncode == 0, with_runner.stdout + with_runner.stderr
+    assert "1 passed, 2 skipped" in with_runner.stdout.strip().splitlines()[-1], with_runner.stdout
 
 
 def test_the_cpu_report_counts_the_children_a_test_waited_for(tmp_path):

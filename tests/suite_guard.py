@@ -12,7 +12,8 @@ meant, so this plugin, installed by tests/conftest.py in every pytest process:
   in the main process the others are skipped, in another process the main
   process's tests are deselected (the main process runs them);
 - in a process started by a runner, appends each passed node id (and each test
-  that failed as its own xfail mark declares) to $TFDIST_PASSED_IDS_FILE; the
+  that failed as its own xfail mark declares, or skipped for an allowed reason) to
+  $TFDIST_PASSED_IDS_FILE; the
   runner hands those ids back to the main process;
 - at the end of the session fails it (exit 1), naming node id and reason, if a
   test skipped here "because it runs elsewhere" did not pass there, or if any
@@ -236,12 +237,21 @@ def pytest_unconfigure(config):
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call" and _passed_or_declared_xfail(report) \
-            and os.environ.get(PASSED_IDS_FILE):
+    done = ((report.when == "call" and _passed_or_declared_xfail(report))
+            or _allowed_skip(report))
+    if done and os.environ.get(PASSED_IDS_FILE):
         with open(os.environ[PASSED_IDS_FILE], "a") as f:
             f.write(report.nodeid + "\n")
     if report.skipped and not hasattr(report, "wasxfail"):
         _state.skips[report.nodeid] = _reason(report)
+
+
+def _allowed_skip(report) -> bool:
+    """A skip the main process would accept (a docs example its page marks as not runnable
+    here, no GPU): a process of its own counts it as done, as the main process would.
+    The docs examples moved to the DTensor process failed the suite on their 9 such skips."""
+    return (report.skipped and not hasattr(report, "wasxfail")
+            and any(pattern.search(_reason(report)) for _, pattern in ALLOWED_SKIPS))
 
 
 def _passed_or_declared_xfail(report) -> bool:
@@ -283,7 +293,8 @@ def run_own_process(config, env_var: str, tmp_path, fallback_args: Sequence[str]
 
 
 def assert_passed_there(result, requested: Sequence[str], passed: Set[str], what: str) -> None:
-    """A runner's verdict on its process: exit 0, and every test it was given passed."""
+    """A runner's verdict on its process: exit 0, and every test it was given passed (or
+    skipped for an allowed reason, _allowed_skip)."""
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     print(result.stdout[-100_000:])  # pytest shows it under the failure: every traceback
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]

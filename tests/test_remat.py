@@ -203,14 +203,11 @@ def test_listing_a_layer_that_cannot_be_recomputed_is_refused_by_name(layer, exp
     import tfdist
     build, x, y, fit_kwargs = keras_io_models.case("timeseries", "adam")
     keras.utils.set_random_seed(0)
-    strategy = tfdist.Strategy("default", seed=0, remat="list_of_layers", remat_layers=(layer,))
     model = build()
     before = [w.copy() for w in model.get_weights()]
-    # Keras numbers its layers per process: the BatchNormalization's own name here.
-    if layer == "batch_normalization":
+    if layer == "batch_normalization":   # Keras numbers layers per process: its name here
         layer = next(l.name for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
-        strategy = tfdist.Strategy("default", seed=0, remat="list_of_layers",
-                                   remat_layers=(layer,))
+    strategy = tfdist.Strategy("default", seed=0, remat="list_of_layers", remat_layers=(layer,))
     with pytest.raises(UsageError, match=expected) as caught:
         strategy.fit(model, x, y, verbose=0, **fit_kwargs)
     assert layer in str(caught.value)

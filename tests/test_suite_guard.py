@@ -147,6 +147,16 @@ def test_a_process_that_may_run_in_main_does_so_without_its_runner(files, expect
     assert expected in result.stdout.strip().splitlines()[-1], result.stdout
 
 
+def test_an_allowed_skip_in_the_other_process_counts_as_done_there(tmp_path):
+    """A docs example its page marks as not runnable here skips in the main process and is
+    accepted; run in another process (balance_files) it must be accepted as well."""
+    skipping = ELSEWHERE + ALLOWED
+    runner = RUNNER.replace('["test_elsewhere.py"]', '["test_balanced.py"]')
+    result = run_suite(tmp_path, {"test_balanced.py": skipping, "test_runner.py": runner})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUITE GUARD" not in result.stdout + result.stderr
+
+
 def test_a_file_run_elsewhere_for_balance_runs_in_main_without_the_runner(tmp_path):
     """conftest.DTENSOR's balance_files (tests/test_docs_examples.py): `pytest` of that file
     alone runs it here; in the suite (runner included) it runs in the other process."""

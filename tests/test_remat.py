@@ -253,6 +253,19 @@ def test_a_model_built_under_keras_remat_scope_trains_like_one_device(caplog):
     assert report.equivalent, str(report)
 
 
+def test_a_keras_remat_scope_and_the_option_together_are_refused():
+    import keras
+    import tfdist
+    build, x, y, fit_kwargs = keras_io_models.case("frozen", "adam")
+    keras.utils.set_random_seed(0)
+    with keras.RematScope(mode="full"):
+        model = build()
+    strategy = tfdist.Strategy("default", seed=0, remat="full")
+    with pytest.raises(UsageError, match="built under keras.RematScope .* and "
+                                         "remat='full' is set too: choose one"):
+        strategy.fit(model, x, y, verbose=0, **fit_kwargs)
+
+
 def test_keras_still_records_the_remat_scope_on_each_layer():
     """Canary for tfdist/train/remat.py's private read of Operation._remat_mode."""
     import keras

@@ -390,11 +390,7 @@ class Strategy:
         if training:   # on the model the mode trains (a copy or shards), before any trace
             from tfdist.train import remat
             where = f"{self.parallel.name}: "
-            scoped = remat.adopt_keras_scopes(model, trained, where)
-            require(not (scoped and self.config.remat),
-                    f"Model '{model.name}' has layers built under keras.RematScope "
-                    f"({', '.join(scoped[:3])}...) and remat={self.config.remat!r} is set too: "
-                    f"choose one.")
+            remat.adopt_keras_scopes(model, trained, where, option=self.config.remat)
             remat.apply(trained, self.config.remat, self.config.remat_layers,
                         self.config.remat_threshold, where=where)
         adoption = _Adoption(trained, optimizer, model.optimizer, loaded, set_aside)

@@ -88,13 +88,14 @@ def apply(model, mode: Optional[str], layer_names: Iterable[str] = (),
     return _said(where, mode, model._tfdist_recomputed, left_out)
 
 
-def adopt_keras_scopes(user_model, trained, where: str = "") -> List[str]:
+def adopt_keras_scopes(user_model, trained, where: str = "",
+                       option: Optional[str] = None) -> List[str]:
     """Layers the user built under `keras.RematScope` are recomputed by tfdist's wrapping
     instead of Keras' (which fails in any tf.function on TensorFlow, keras-team/keras#21207),
     on the model the mode trains (a copy keeps no scope: clone_model rebuilds layers
     outside it), matched by name. Keras' meaning per layer, with the same exclusions as
     the option; a nested model is entered, not recomputed whole. Returns the names
-    recomputed.
+    recomputed. `option`: the run's remat; both at once is a UsageError.
 
     Private: Keras records a layer's scope only in `Operation._remat_mode` (no public
     accessor); the canary tests/test_remat.py::test_keras_still_records_the_remat_scope_on_each_layer
@@ -106,6 +107,9 @@ def adopt_keras_scopes(user_model, trained, where: str = "") -> List[str]:
         user_model._tfdist_keras_remat = marks
     if not marks or getattr(trained, "_tfdist_remat", None) is not None:
         return []
+    require(option is None,   # before anything is wrapped
+            f"{where}model '{user_model.name}' has layers built under keras.RematScope "
+            f"({_listed(sorted(marks), 3)}) and remat={option!r} is set too: choose one.")
     trained._tfdist_remat = "keras.RematScope"
     for model in {id(user_model): user_model, id(trained): trained}.values():
         for layer in all_layers(model):

@@ -266,6 +266,44 @@ def test_a_keras_remat_scope_and_the_option_together_are_refused():
         strategy.fit(model, x, y, verbose=0, **fit_kwargs)
 
 
+def test_keras_remat_inside_a_users_layer_trains_like_one_device_without_it():
+    """keras.remat(f) in a custom layer's call (Keras' other public API): on TensorFlow it
+    is tf.recompute_grad of a function called without keyword arguments, which works in
+    tfdist's steps as it is."""
+    import keras
+
+    class Recomputed(keras.layers.Layer):
+        def __init__(self, use_remat, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = keras.layers.Dense(16, activation="gelu")
+            self.forward = keras.remat(self.scaled) if use_remat else self.scaled
+
+        def scaled(self, x):
+            return self.inner(x) * 0.5
+
+        def call(self, x):
+            return self.forward(x)
+
+    _, x, y, fit_kwargs = keras_io_models.case("frozen", "adam")
+
+    def build(use_remat):
+        def build_and_compile():
+            inputs = keras.Input((12,))
+            hidden = Recomputed(use_remat)(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss="sparse_categorical_crossentropy")
+            return model
+        return build_and_compile
+
+    reference = equivalence.train_keras("default", build(False), x, y, fit_kwargs=fit_kwargs)
+    run = equivalence.train_keras("mirrored", build(True), x, y, fit_kwargs=fit_kwargs,
+                                  label="mirrored x2 with keras.remat", simulate_devices=2)
+    report = equivalence.compare_runs(reference, run)
+    assert len(run.losses) == 8
+    assert report.equivalent, str(report)
+
+
 def test_keras_still_records_the_remat_scope_on_each_layer():
     """Canary for tfdist/train/remat.py's private read of Operation._remat_mode."""
     import keras

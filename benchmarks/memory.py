@@ -131,17 +131,24 @@ def measured_transient_bytes(config: cfg.RunConfig, device: str = "CPU:0",
     """
     require_one_thread_executor()  # first: reading the allocator's statistics starts the context
     require_allocator_stats(device)
-    import tensorflow as tf
     with _without_graph_rewrites():  # around the measured steps too: a changed setting re-optimizes
         step, iterator = harness.train_step_and_iterator(config, one_batch=True)
-        float(step(iterator))  # trace and warm up: first-step allocations are not the steady state
+        return worst_transient_bytes(step, iterator, device, steps)
+
+
+def worst_transient_bytes(step, iterator, device: str = "CPU:0",
+                          steps: int = MEASURED_STEPS) -> int:
+    """Peak minus live bytes on `device`, the worst of `steps` steps after two warm-up
+    steps (first-step allocations are not the steady state)."""
+    import tensorflow as tf
+    float(step(iterator))
+    float(step(iterator))
+    worst = 0
+    for _ in range(steps):
+        tf.config.experimental.reset_memory_stats(device)
+        before = tf.config.experimental.get_memory_info(device)["current"]
         float(step(iterator))
-        worst = 0
-        for _ in range(steps):
-            tf.config.experimental.reset_memory_stats(device)
-            before = tf.config.experimental.get_memory_info(device)["current"]
-            float(step(iterator))
-            worst = max(worst, tf.config.experimental.get_memory_info(device)["peak"] - before)
+        worst = max(worst, tf.config.experimental.get_memory_info(device)["peak"] - before)
     return worst
 
 

@@ -14,6 +14,7 @@ value, what the step holds at its end). Graph rewrites are measured both off
     python -m benchmarks.remat --measure=full --rewrites=on   # one process, one JSON line
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -60,18 +61,12 @@ def measure(mode: str, rewrites: str) -> Dict:
     import tensorflow as tf
     if rewrites == "keep":   # set before remat.apply, which then leaves it as it is
         tf.config.optimizer.set_experimental_options({"dependency_optimization": True})
-    rewriting = memory._without_graph_rewrites() if rewrites == "off" else _as_is()
+    rewriting = (memory._without_graph_rewrites() if rewrites == "off"
+                 else contextlib.nullcontext())
     with rewriting:
         step, iterator, model, recomputed = harness.train_step_iterator_and_model(
             config, one_batch=True)
-        float(step(iterator))
-        float(step(iterator))
-        worst = 0
-        for _ in range(memory.MEASURED_STEPS):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            float(step(iterator))
-            worst = max(worst, tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+        worst = memory.worst_transient_bytes(step, iterator)
         times = []
         for _ in range(TIMED_STEPS):
             start = time.perf_counter()
@@ -80,14 +75,6 @@ def measure(mode: str, rewrites: str) -> Dict:
     gradients = 4 * sum(int(tf.size(v)) for v in model.trainable_variables)
     return {"transient": worst, "gradients": gradients, "step_s": statistics.median(times),
             "recomputed": len(recomputed)}
-
-
-class _as_is:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return False
 
 
 def trial(mode: str, rewrites: str) -> Dict:

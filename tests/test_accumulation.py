@@ -93,7 +93,11 @@ def test_a_learning_rate_schedule_advances_once_per_update():
     assert report.equivalent, str(report)
 
 
-def test_a_keras_hub_model_accumulates_like_one_device():
+GPT2_FIT = dict(batch_size=16, epochs=1, shuffle=False)
+
+
+def gpt2_case():
+    """(build_and_compile, x, y) of a keras-hub GPT-2 from a tiny config, 8 batches of 16."""
     import keras
     from benchmarks.conformance_models import ZOO
     entry = ZOO["gpt2_lm"]
@@ -103,10 +107,19 @@ def test_a_keras_hub_model_accumulates_like_one_device():
         model = entry.build(False)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=entry.loss())
         return model
+    return build_and_compile, x, y
 
-    fit_kwargs = dict(batch_size=16, epochs=1, shuffle=False)
-    reference = equivalence.train_keras("default", build_and_compile, x, y,
-                                        fit_kwargs=fit_kwargs)
+
+@functools.lru_cache(maxsize=None)
+def gpt2_one_device() -> equivalence.KerasRun:
+    build_and_compile, x, y = gpt2_case()
+    return equivalence.train_keras("default", build_and_compile, x, y, fit_kwargs=GPT2_FIT)
+
+
+def test_a_keras_hub_model_accumulates_like_one_device():
+    build_and_compile, x, y = gpt2_case()
+    fit_kwargs = GPT2_FIT
+    reference = gpt2_one_device()
     run = equivalence.train_keras("mirrored", build_and_compile, x, y, fit_kwargs=fit_kwargs,
                                   label="mirrored x2 K=4", simulate_devices=2,
                                   accumulation_steps=4)

@@ -20,7 +20,7 @@ import pytest
 
 import keras_io_models
 from helpers import REPO
-from test_accumulation import one_device
+from test_accumulation import GPT2_FIT, gpt2_case, gpt2_one_device, one_device
 from test_keras_io_equivalence import worker_run
 from tfdist import config as cfg
 from tfdist.errors import UsageError
@@ -125,22 +125,11 @@ def test_a_recomputed_layer_runs_its_forward_pass_again_for_the_gradient():
 
 
 def test_a_keras_hub_model_with_recomputation_trains_like_one_device(caplog):
-    import keras
-    from benchmarks.conformance_models import ZOO
-    entry = ZOO["gpt2_lm"]
-    x, y = entry.data(16 * 8, seed=3)
-
-    def build_and_compile():
-        model = entry.build(False)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=entry.loss())
-        return model
-
-    fit_kwargs = dict(batch_size=16, epochs=1, shuffle=False)
-    reference = equivalence.train_keras("default", build_and_compile, x, y,
-                                        fit_kwargs=fit_kwargs)
+    build_and_compile, x, y = gpt2_case()
+    reference = gpt2_one_device()
     with caplog.at_level(logging.INFO, logger="tfdist"):
         run = equivalence.train_keras("mirrored", build_and_compile, x, y,
-                                      fit_kwargs=fit_kwargs, label="mirrored x2 full",
+                                      fit_kwargs=GPT2_FIT, label="mirrored x2 full",
                                       simulate_devices=2, remat="full")
     said = [r.getMessage() for r in caplog.records if "recomputes" in r.getMessage()]
     assert len(said) == 1 and "transformer_layer_0" in said[0], said

@@ -93,8 +93,9 @@ def adopt_keras_scopes(user_model, trained, where: str = "",
     """Layers the user built under `keras.RematScope` are recomputed by tfdist's wrapping
     instead of Keras' (which fails in any tf.function on TensorFlow, keras-team/keras#21207),
     on the model the mode trains (a copy keeps no scope: clone_model rebuilds layers
-    outside it), matched by name. Keras' meaning per layer, with the same exclusions as
-    the option; a nested model is entered, not recomputed whole. Returns the names
+    outside it), matched by name. Keras' mode per layer, with the same exclusions as
+    the option (and `larger_than` counted per example, as the option counts it; Keras
+    counts the whole output where the batch size is known); a nested model is entered, not recomputed whole. Returns the names
     recomputed. `option`: the run's remat; both at once is a UsageError.
 
     Private: Keras records a layer's scope only in `Operation._remat_mode` (no public

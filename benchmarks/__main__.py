@@ -66,7 +66,7 @@ from tfdist.train import progress  # noqa: E402
 FLAGS = flags.FLAGS
 SUITES = ("loop", "allreduce", "throughput", "network", "bubble", "scaling", "memory", "remat", "input", "soak",
           "chaos", "api_fit", "keras_distribution", "pipeline_overlap", "torch_pipeline",
-          "conformance")
+          "conformance", "zero")
 flags.DEFINE_string("suite", "loop", f"One of: {', '.join(SUITES)}.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where CSV/markdown/PNG go.")
 flags.DEFINE_integer("steps", 300, "Steps per trial (the first is not timed); soak and chaos: "
@@ -192,6 +192,11 @@ def main(argv):
         elif FLAGS.suite == "remat":
             from benchmarks import remat   # no TensorFlow here: a process per measurement
             rows = remat.compare(_given_or("trials", 3))
+        elif FLAGS.suite == "zero":
+            from benchmarks import report, zero   # no TensorFlow here: it runs processes
+            for name, table in zero.compare(_given_or("trials", 3)).items():
+                print(report.write_all(table, FLAGS.out_dir, name))
+            return
         elif FLAGS.suite == "input":
             os.environ.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
             from benchmarks import input_pipeline  # imports TF: after the thread limits

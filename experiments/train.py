@@ -109,6 +109,9 @@ flags.DEFINE_list("remat_layers", [], "--remat=list_of_layers: the names of the 
                   "recompute.")
 flags.DEFINE_integer("remat_threshold", 1024, "--remat=larger_than: recompute layers whose "
                      "output has more values per example than this.")
+flags.DEFINE_integer("zero_stage", 0, "Sharded data parallelism (ZeRO) over the data-parallel "
+                     "devices: 0 replicates; 1 shards the optimizer state, 2 also the "
+                     "gradients, 3 also the parameters (--strategy=dtensor; the same numbers).")
 # Outputs.
 flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard logs; rerun to resume.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: at the end and on SIGTERM).")
@@ -155,7 +158,8 @@ def config_from_flags() -> cfg.RunConfig:
         mixed_precision=FLAGS.mixed_precision, jit_compile=FLAGS.jit_compile,
         trainer=FLAGS.trainer, batch_statistics=FLAGS.batch_statistics,
         accumulation_steps=FLAGS.accumulation_steps, remat=FLAGS.remat,
-        remat_layers=tuple(FLAGS.remat_layers), remat_threshold=FLAGS.remat_threshold)
+        remat_layers=tuple(FLAGS.remat_layers), remat_threshold=FLAGS.remat_threshold,
+        zero_stage=FLAGS.zero_stage)
 
 
 def _names(text):

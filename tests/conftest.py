@@ -30,7 +30,7 @@ DTENSOR_PROCESS = "TFDIST_DTENSOR_PROCESS"
 DTENSOR = suite_guard.Process(
     env_var=DTENSOR_PROCESS, runner="tests/test_isolated_dtensor.py", marker="dtensor",
     files=("tests/test_dtensor.py", "tests/test_dtensor_multiclient.py",
-           "tests/test_dtensor_plan.py"),
+           "tests/test_dtensor_plan.py", "tests/test_zero.py"),
     balance_files=("tests/test_docs_examples.py",))
 
 

@@ -311,9 +311,6 @@ def test_layout_map_for_accepts_map_objects_and_keeps_its_strings():
         presets.layout_map_for(7, "mlp")
     with pytest.raises(UsageError, match=r"neither a preset \(data, megatron, auto\)"):
         presets.layout_map_for("no_such_file.json", "mlp")
-    described = presets.describe(original)
-    assert json.loads(json.dumps(described))["token_embedding/embeddings"] == ["model", "batch"]
-    assert presets.describe("megatron") == "megatron"
 
 
 LAYOUT_FILE = """
@@ -355,8 +352,8 @@ def test_from_backbone_is_its_own_map_converted():
 
 
 def test_a_checkpointed_run_with_a_map_layout_resumes(tmp_path):
-    """--model_dir with a map object as the layout: the checkpoint's fingerprint holds
-    the map's rules (presets.describe), and a rerun resumes from the saved step."""
+    """--model_dir with a map object as the layout (once a TypeError writing the
+    checkpoint's fingerprint): a rerun resumes from the saved step."""
     from tfdist.train import runner
     layout = keras_layouts.from_backbone(keras_hub_models.backbone_class("gemma"), MESH)
     model_dir = str(tmp_path / "run")

@@ -4,7 +4,8 @@ Started the way a user would: `tfdist launch --workers 2 --devices_per_worker 2
 --dtensor -- python ... --strategy=dtensor ...` with experiments.train's flags
 (tests/workers/dtensor_client.py builds the config as experiments.train does and
 also writes each client's final weights). Each client holds one batch shard (two
-model shards); the per-step losses must be the single-process `default` run's
+model shards; the transformer at --zero_stage=3 also shards every parameter and its
+Adam state over the two clients); the per-step losses must be the single-process `default` run's
 within 1e-5 relative, and EVERY client's final weights too.
 """
 
@@ -25,7 +26,7 @@ CASES = {
                      ModelConfig(name="mlp"), DataConfig(name="digits"), "momentum"),
     "transformer_adam": (["--model=transformer", "--num_layers=2", "--d_model=32",
                           "--num_heads=4", "--d_ff=64", "--dataset=text", "--seq_len=16",
-                          "--optimizer=adam"],
+                          "--optimizer=adam", "--zero_stage=3"],   # FSDP x TP across workers
                          ModelConfig(name="transformer", num_layers=2, d_model=32, num_heads=4,
                                      d_ff=64),
                          DataConfig(name="text", seq_len=16), "adam"),
@@ -58,6 +59,8 @@ def test_two_clients_match_default(case, tmp_path):
             weights=tmp_path / f"weights.client{client}.npz")
         equivalence.assert_equivalent(reference, candidate)
     assert results["num_replicas"] == 2
+    if "--zero_stage=3" in flags:   # the stage ran, not only parsed
+        assert "zero stage 3 over batch=2 shards" in result.stdout + result.stderr
     # the chief reports its own two devices' shards
     assert len(results["param_bytes_per_device"]) == 2
     assert len(set(results["param_bytes_per_device"].values())) == 1

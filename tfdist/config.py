@@ -29,6 +29,9 @@ TRAINERS = ("loop", "fit")
 BATCH_STATISTICS = ("global", "per_replica")   # tfdist/train/batch_stats.py
 # Keras' RematScope mode names (tfdist/train/remat.py applies them to a built model)
 REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
+# Sharded data parallelism (ZeRO, Rajbhandari et al. 2020): 0 replicates everything; 1 shards
+# the optimizer state over the data-parallel devices, 2 the gradients too, 3 the parameters too
+ZERO_STAGES = (0, 1, 2, 3)
 AUTO = -1
 
 
@@ -38,9 +41,17 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
     require(ok, f"--{name} must be {bound}, got {value}.")
 
 
+def validate_zero_stage(stage) -> int:
+    require(type(stage) is int and stage in ZERO_STAGES,
+            f"Unknown --zero_stage {stage!r}. Valid choices: {', '.join(map(str, ZERO_STAGES))} "
+            f"(0 replicates; 1 shards the optimizer state, 2 also the gradients, 3 also the "
+            f"parameters).")
+    return stage
+
+
 def _one_of(name: str, value, choices) -> None:
     require(value in choices,
-            f"Unknown --{name} {value!r}. Valid choices: {', '.join(choices)}.")
+            f"Unknown --{name} {value!r}. Valid choices: {', '.join(map(str, choices))}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +153,8 @@ class RunConfig:
     remat: Optional[str] = None
     remat_layers: Tuple[str, ...] = ()   # --remat=list_of_layers: the layers' names
     remat_threshold: int = 1024          # --remat=larger_than: values per example
+    # sharded data parallelism (parallel/dtensor/zero.py): ZERO_STAGES; 0 replicates
+    zero_stage: int = 0
 
     def __post_init__(self):
         from tfdist import parallel
@@ -152,6 +165,7 @@ class RunConfig:
         _one_of("batch_statistics", self.batch_statistics, BATCH_STATISTICS)
         self._validate_accumulation()
         self._validate_remat()
+        validate_zero_stage(self.zero_stage)
         if self.mixed_precision is not None:
             _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         require(self.simulate_devices >= AUTO,

@@ -36,8 +36,32 @@ MODES_THAT_SPAN_WORKERS = (
     "dtensor with DTENSOR_* clients (`tfdist launch --workers N --dtensor`)")
 
 
+# The modes that run --zero_stage above 0 (sharded data parallelism over a mesh's batch
+# axis: tfdist/parallel/dtensor/zero.py). tf.distribute's modes keep one whole copy of every
+# variable per replica (MirroredVariable), which no option of theirs shards.
+ZERO_MODES = ("dtensor",)
+
+
+def check_zero_stage(strategy: str, zero_stage: int) -> None:
+    """UsageError for a --zero_stage the mode cannot run, before any device is set up."""
+    if zero_stage == 0 or strategy in ZERO_MODES:
+        return
+    instead = {
+        "mirrored": "--strategy=dtensor --mesh=batch=N on the same N devices (the same "
+                    "numbers as mirrored: data parallel over the mesh's batch axis)",
+        "multi_worker_mirrored": "--strategy=dtensor over the same workers (`tfdist launch "
+                                 "--workers N --dtensor -- ... --mesh=batch=M`)",
+    }.get(strategy, "--strategy=dtensor with a batch axis of 2 or more devices")
+    raise UsageError(
+        f"--zero_stage={zero_stage} is not supported by --strategy={strategy}: sharded data "
+        f"parallelism runs in {', '.join(ZERO_MODES)} (it shards variables over the mesh's "
+        f"batch axis), while {strategy} keeps a whole copy of every variable on each "
+        f"replica. Use {instead}, or --zero_stage=0.")
+
+
 def build_parallelism(config):
     """Returns the Parallelism for a RunConfig (devices must be configured first)."""
+    check_zero_stage(config.strategy, config.zero_stage)
     parallel = MODES.get(config.strategy)(config)
     parallel.accumulation_steps = config.accumulation_steps   # train/accumulation.py
     return parallel

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import shutil
 import tempfile
-from typing import Callable, Dict, Iterable, List  # noqa: F401
+from typing import Callable, Dict, Iterable, List, Optional  # noqa: F401
 
 from tfdist.errors import require
 
@@ -87,6 +87,11 @@ class Parallelism(abc.ABC):
     @abc.abstractmethod
     def param_bytes_per_device(self, model, optimizer) -> Dict[str, int]:
         """Device name -> bytes of parameters plus optimizer state stored on it."""
+
+    def gradient_bytes_per_device(self, model) -> Optional[Dict[str, int]]:
+        """Device name -> bytes of the gradients the update reads there, where a mode
+        shards them (--zero_stage); None where every replica holds them whole."""
+        return None
 
     def checkpoint_objects(self, model, optimizer) -> Dict:
         """The trackable objects whose state a checkpoint must hold."""

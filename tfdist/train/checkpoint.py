@@ -15,7 +15,7 @@ the one before it is tried. If every listed checkpoint fails, that is an error:
 starting from scratch silently would lose the last good state.
 
 `run.json` beside the checkpoints fingerprints the run (model, optimizer,
-dataset, batch, seed, mode layout, variable shapes); resuming with another one is
+dataset, batch, seed, variable shapes); resuming with another one is
 refused with the first mismatch named.
 """
 
@@ -45,18 +45,14 @@ def fingerprint(config, model) -> Dict:
         "optimizer": config.optimizer,
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
-        "layout": _layout_description(config) if config.strategy == "dtensor" else None,
+        # No mesh, layout or --zero_stage: DTensor writes every variable under its global
+        # shape and restores it into whatever layout the restoring variable has
+        # (parallel/dtensor/checkpoint.py), so a run resumes on another mesh or stage.
         # A pipeline checkpoint holds replica 0's model and optimizer state by variable
         # path, so it restores onto any stage or replica count (pipeline/checkpoint.py).
         "pipeline": None,
         "variables": [[v.path, list(v.shape)] for v in model.variables],
     }))
-
-
-def _layout_description(config):
-    """--layout as JSON values: a name or file path as given, a map object as its rules."""
-    from tfdist.parallel.dtensor import presets
-    return presets.describe(config.layout)
 
 
 def first_mismatch(saved: Dict, current: Dict) -> Optional[str]:

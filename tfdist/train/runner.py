@@ -147,7 +147,7 @@ def train(config, parallel, source, model, optimizer, steps, user_model=None):
 
 
 def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict:
-    return {
+    results = {
         "strategy": config.strategy,
         "num_replicas": parallel.num_replicas,
         "devices": parallel.devices,
@@ -168,6 +168,10 @@ def results_dict(config, parallel, steps, loop_result, model, optimizer) -> dict
         "train_seconds": loop_result.train_seconds,
         "param_bytes_per_device": parallel.param_bytes_per_device(model, optimizer),
     }
+    gradient_bytes = parallel.gradient_bytes_per_device(model)
+    if gradient_bytes is not None:
+        results["gradient_bytes_per_device"] = gradient_bytes
+    return results
 
 
 def _json_scalars(logs: dict) -> dict:

@@ -26,6 +26,7 @@ from typing import Dict
 from tfdist import cluster, devices
 from tfdist.errors import UsageError, require
 from tfdist.parallel.base import Parallelism
+from tfdist.parallel.dtensor.layout_map import UNSHARDED
 
 log = logging.getLogger("tfdist")
 
@@ -45,6 +46,8 @@ class DTensorParallelism(Parallelism):
         self.layouts = {}
         self.specs = {}
         self.slots = {}
+        self.update_layouts = {}   # {path: where its slots live and its update runs}
+        self.zero = None           # zero.ZeroPlan, once the model is known
 
     def finish(self) -> None:
         """Multi-client: every client leaves together. A client that exits while
@@ -78,22 +81,36 @@ class DTensorParallelism(Parallelism):
         return self.build_model_and_optimizer(lambda: model, lambda: model.optimizer)
 
     def build_model_and_optimizer(self, model_fn, optimizer_fn):
-        from tfdist.parallel.dtensor import layout_check, presets, sharding
+        from tfdist.parallel.dtensor import layout_check, presets, sharding, zero
+        from tfdist.parallel.dtensor import mesh as mesh_lib
         model = model_fn()  # built unsharded (same seed, same values), then moved
         layout_map = presets.layout_map_for(self.config.layout, self.config.model.name,
                                             model=model, mesh_axes=self.axes)
         self.specs = layout_map.resolve(
             [(v.path, tuple(v.shape)) for v in model.variables], self.axes,
             strict=self.config.layout_strict)
-        # The one check of every layout (files, presets, dicts, keras LayoutMaps), before
-        # any variable moves or any step is traced: DTensor's own errors come at the step.
-        layout_check.check(model, self.specs, layout_check.keras_activation_layouts())
-        self.layouts = sharding.shard_model(model, self.specs, self.mesh)
-        optimizer, self.slots = sharding.build_sharded_optimizer(optimizer_fn, model, self.layouts,
-                                                        self.mesh)
         sharded = sum(1 for spec in self.specs.values() if any(a != "unsharded" for a in spec))
         log.info("dtensor: mesh %s, layout %s: %d of %d variables sharded",
                  self.describe_mesh(), self.config.layout, sharded, len(self.specs))
+        # The one check of every layout (files, presets, dicts, keras LayoutMaps), before
+        # any variable moves or any step is traced: DTensor's own errors come at the step.
+        layout_check.check(model, self.specs, layout_check.keras_activation_layouts())
+        # --zero_stage adds the batch axis to the layouts (zero.py), where they still run
+        shapes = {v.path: tuple(v.shape) for v in model.variables}
+        self.zero = zero.plan(self.config.zero_stage, self.specs, shapes,
+                              self.axes[mesh_lib.BATCH],
+                              trainable={v.path for v in model.trainable_variables})
+        zero.announce(self.zero, shapes, self.axes[mesh_lib.BATCH])
+        own_specs, self.specs = self.specs, self.zero.param_specs
+        self.layouts = sharding.shard_model(model, self.specs, self.mesh)
+        for variable in model.variables:   # stage 3: layers read their parameters gathered
+            if self.specs[variable.path] != own_specs[variable.path]:
+                variable.value.compute_layout = sharding.make_layout(own_specs[variable.path],
+                                                                     self.mesh)
+        self.update_layouts = {path: sharding.make_layout(spec, self.mesh)
+                               for path, spec in self.zero.update_specs.items()}
+        optimizer, self.slots = sharding.build_sharded_optimizer(
+            optimizer_fn, model, self.update_layouts, self.mesh)
         return model, optimizer
 
     def distribute(self, dataset_fn):
@@ -107,7 +124,8 @@ class DTensorParallelism(Parallelism):
                              "compiles its own SPMD program); drop the flag.")
         from tfdist.parallel.dtensor import step
         return step.make_train_step(model, optimizer, self.slots, global_batch_size,
-                                    on_outputs, self.accumulation_steps)
+                                    on_outputs, self.accumulation_steps,
+                                    self.update_layouts, self.zero.gradients_sharded)
 
     def make_eval_step(self, model, on_outputs=None):
         from tfdist.parallel.dtensor import step
@@ -127,6 +145,22 @@ class DTensorParallelism(Parallelism):
                 totals[device] += math.prod(shape) * itemsize
         return dict(totals)
 
+    def gradient_bytes_per_device(self, model) -> Dict[str, int]:
+        """Bytes of the gradients on each local device, in the layout the update reads them
+        (the variable's own, or under --zero_stage=2 and 3 its slice), from the layouts."""
+        layouts = (self.update_layouts if self.zero is not None and self.zero.gradients_sharded
+                   else self.layouts)
+        per_device = sum(math.prod(local_shape(layouts[v.path], v.shape)) * v.value.dtype.size
+                         for v in model.trainable_variables)
+        return {device: per_device for device in self.devices}
+
+
+def local_shape(layout, shape):
+    """One device's shard shape of a tensor of `shape` in `layout` (DTensor's shards are
+    equal, so every device holds this shape)."""
+    return [size // layout.mesh.dim_size(axis) if axis != UNSHARDED else size
+            for size, axis in zip(shape, layout.sharding_specs)]
+
 
 
 def build_dtensor(config) -> DTensorParallelism:
@@ -138,15 +172,19 @@ def build_dtensor(config) -> DTensorParallelism:
             "--mixed_precision=mixed_float16 is not supported by --strategy=dtensor: its "
             "dynamic loss scale (LossScaleOptimizer) has no exact sharded update. Use "
             "mixed_bfloat16 (float32 variables, bfloat16 compute, no loss scale).")
+    from tfdist.parallel.dtensor import zero
+    zero.check_accumulation(config.zero_stage, config.accumulation_steps)
     env = cluster.validate_dtensor_env(os.environ)
     multi_client = env is not None and env.num_clients > 1
     local = devices.configure(config.simulate_devices, config.num_gpus)
     if multi_client:
         # mesh size is only known once the clients have joined
         axes = mesh_lib.parse_mesh(config.mesh, len(local) * env.num_clients)
+        zero.check_batch_axis(config.zero_stage, dict(axes)[mesh_lib.BATCH])
         mesh = mesh_lib.build_distributed_mesh(axes, local, env)
     else:
         axes = mesh_lib.parse_mesh(config.mesh, len(local))
+        zero.check_batch_axis(config.zero_stage, dict(axes)[mesh_lib.BATCH])
         mesh = mesh_lib.build_local_mesh(axes, local)
     return DTensorParallelism(config, mesh, env if multi_client else None)
 

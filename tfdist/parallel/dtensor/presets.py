@@ -128,10 +128,3 @@ def _from_object(layout) -> LayoutMap:
         f".py), a keras.distribution.LayoutMap, a dict of regex -> axes, or a tfdist "
         f"LayoutMap; got {type(layout).__name__}: {layout!r:.200}.")
 
-
-def describe(layout):
-    """`layout` as JSON types: a --layout string as it is, a map object as {key: axes}."""
-    if isinstance(layout, str):
-        return layout
-    layout_map = _from_object(layout)
-    return {key: None if spec is None else list(spec) for key, spec in layout_map.items()}

@@ -74,7 +74,22 @@ class ShardedVariable(dtensor.DVariable):
 
     Keras' `Variable.numpy()` / `Model.get_weights()` call it; a plain DVariable
     refuses to copy a sharded value to the host.
+
+    `compute_layout` (--zero_stage=3, zero.py): the layout the model's ops read the
+    variable in, when it is stored in another (a slice over `batch`). Every read that
+    converts it to a tensor (how Keras layers read their weights) is relayouted to it: the
+    parameter is gathered where a layer uses it, and the gradient of that relayout takes
+    the gradient back to the slice. Explicit reads (read_value(), the optimizer update,
+    checkpoints) see the stored slice.
     """
+
+    compute_layout = None
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        value = super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+        if self.compute_layout is None or as_ref:
+            return value
+        return gathered(value, self.compute_layout, self.layout)
 
     def numpy(self):
         value = self.read_value()
@@ -88,6 +103,27 @@ class ShardedVariable(dtensor.DVariable):
         if tf.executing_eagerly() and not dtensor.is_dtensor(value):
             value = pack(np.asarray(value, self.dtype.as_numpy_dtype), self.layout)
         return super().assign(value, *args, **kwargs)
+
+
+def gathered(value, compute_layout, stored_layout):
+    """`value` relayouted to `compute_layout`; its gradient goes back to `stored_layout`,
+    except an embedding's IndexedSlices, which stay slices (DTensor's own Relayout
+    gradient densifies them, and Keras' Adam squares each slice before the rows are
+    summed: update.densify). Eagerly (a read outside the step) no gradient is taken, and
+    tf.custom_gradient's eager path cannot copy a sharded DTensor."""
+    if tf.executing_eagerly():
+        return dtensor.relayout(value, compute_layout)
+
+    @tf.custom_gradient
+    def relayout(tensor):
+        def gradient(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                return upstream
+            # Summed in the compute layout first, then sliced: straight to the slice, DTensor
+            # carries the slice back into the backward pass (step.shard_gradient says where).
+            return dtensor.relayout(dtensor.relayout(upstream, compute_layout), stored_layout)
+        return dtensor.relayout(tensor, compute_layout), gradient
+    return relayout(value)
 
 
 def give_dtensor_storage(variable, layout: dtensor.Layout) -> None:
@@ -137,7 +173,8 @@ def _plain_eager_tensor(value) -> bool:
 
 
 def build_sharded_optimizer(optimizer_fn, model, layouts: Mapping[str, dtensor.Layout], mesh):
-    """Builds the optimizer on the sharded model; each slot takes its parameter's layout.
+    """Builds the optimizer on the sharded model; each slot takes the layout `layouts`
+    gives its parameter (the parameter's own, or under --zero_stage its slice, zero.py).
 
     Slots are recorded as Keras creates them through the public
     `add_variable_from_reference(reference_variable, ...)`; any other optimizer

@@ -70,16 +70,21 @@ def outputs_on_host(outputs):
 
 
 def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=None,
-                    accumulation_steps: int = 1):
+                    accumulation_steps: int = 1, update_layouts=None,
+                    gradients_sharded: bool = False):
     """The loss is Keras' compiled loss on the whole (logical) global batch: one
     program over the mesh, so no replica scaling is involved. on_outputs (the
     metrics' update, plain TF variables) runs after the DTensor program, on the
     gathered (y, y_pred, w). With accumulation_steps=K the batch is computed in K
-    micro-batches, each holding 1/K of every device's shard (micro_batches)."""
+    micro-batches, each holding 1/K of every device's shard (micro_batches).
+    update_layouts ({path: layout}) are where the update runs (zero.py); with
+    gradients_sharded each micro-batch's gradients are reduce-scattered to them as soon
+    as they exist, so the accumulated sum is held in slices too (ZeRO stage 2 and 3)."""
     with_outputs = on_outputs is not None
     del global_batch_size
     variables = model.trainable_variables
     layouts = [sharding.layout_of(v) for v in variables]
+    targets = [(update_layouts or {}).get(v.path, layout) for v, layout in zip(variables, layouts)]
     gather = replicated(layouts[0].mesh)
     weight = (1.0 if accumulation_steps == 1
               else accumulation.weight_of_each(model, accumulation_steps))
@@ -93,6 +98,9 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
                 if weight != 1.0:   # a micro-batch's share of the batch's loss
                     loss = loss * tf.cast(weight, loss.dtype)
             grads = tape.gradient(loss, variables)
+        if gradients_sharded:
+            grads = [shard_gradient(g, layout, target)
+                     for g, layout, target in zip(grads, layouts, targets)]
         return loss, grads, y_pred
 
     cut, join = micro_batches(layouts[0].mesh)
@@ -105,7 +113,7 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
         loss, grads, y_pred = loss_and_grads(x, y, w)
         # Gradients are brought to their variable's layout inside (a no-op when
         # DTensor's propagation already chose it).
-        update.apply(optimizer, slots, grads, variables, layouts)
+        update.apply(optimizer, slots, grads, variables, layouts, targets, gradients_sharded)
         if not with_outputs:
             return loss
         return loss, tf.nest.map_structure(gather, step_math.outputs_of(y, y_pred, w))
@@ -208,6 +216,21 @@ def make_predict_step(model, mesh):
         return tf.nest.map_structure(local_value, sharded_predict(packed))
 
     return quiet.first_call_filtered(refusing_unrunnable_ops(predict, model))   # grappler's lines
+
+
+def shard_gradient(grad, layout, target):
+    """A dense gradient reduced to its variable's `layout`, then sliced to `target`.
+
+    Through `layout` first: relayout straight to `target` lets DTensor's layout
+    propagation carry the slice back into the backward pass, where ops it cannot shard
+    fail ("TransposeOp SPMD needs communication is not supported yet", attention's
+    transposes in the transformer). The all-reduce and the slice after it may be fused
+    into a reduce-scatter by DTensor; either way the sum is the same. An embedding's
+    IndexedSlices stay slices: update.densify squares them before they are summed, as
+    Keras does."""
+    if grad is None or isinstance(grad, tf.IndexedSlices) or target == layout:
+        return grad
+    return dtensor.relayout(dtensor.relayout(grad, layout), target)
 
 
 def make_eval_step(model, on_outputs=None):

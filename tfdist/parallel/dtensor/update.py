@@ -77,35 +77,50 @@ def check_supported(optimizer, variables=None) -> None:
         _check_weight_decay_exclusions(optimizer, variables)
 
 
-def apply(optimizer, slots, grads, variables, layouts) -> None:
+def apply(optimizer, slots, grads, variables, layouts, update_layouts=None,
+          gradients_sharded: bool = False) -> None:
     """One update of `variables` (Keras variables) by `grads`; then iterations += 1.
 
     `slots` maps (parameter path, slot name) -> the optimizer's slot variable
     (tfdist.parallel.dtensor.sharding.build_sharded_optimizer records them);
-    `layouts` are the variables' layouts (the gradients are brought to them).
+    `layouts` are the variables' layouts. The update is computed in `update_layouts`
+    (the slots' layouts: a variable's own, or under --zero_stage its slice of it, zero.py)
+    and written back in the variable's layout. The gradients are brought to the
+    variable's layout first (all-reduced), or with `gradients_sharded` straight to
+    the update's (reduce-scattered: ZeRO stage 2 and 3).
     """
     check_supported(optimizer, variables)
-    present = [(g, v, l) for g, v, l in zip(grads, variables, layouts) if g is not None]
+    update_layouts = update_layouts or layouts
+    present = [(g, v, l, u) for g, v, l, u in zip(grads, variables, layouts, update_layouts)
+               if g is not None]
     if not present:
         raise UsageError(f"No gradients for any of the {len(variables)} trainable variables: "
                          f"the loss does not depend on them.")
-    clipped = clipping.clip_like_keras([g for g, _, _ in present], optimizer)
+    clipped = clipping.clip_like_keras([g for g, _, _, _ in present], optimizer)
     learning_rate = optimizer.learning_rate  # a schedule is evaluated at `iterations` here
     rule = RULES[type(optimizer)]
-    for grad, (_, variable, layout) in zip(clipped, present):
+    for grad, (_, variable, layout, target) in zip(clipped, present):
         dtype = variable.dtype
-        grad, square = densify(grad, layout)
+        moved = target != layout   # --zero_stage: the update runs on this device's slice
+        grad, square = densify(grad, target if gradients_sharded else layout)
+        if moved and not gradients_sharded:   # a slice of the all-reduced gradient
+            grad, square = _relayout(grad, target), _relayout(square, target)
         grad = tf.cast(grad, dtype)
         square = tf.square(grad) if square is None else tf.cast(square, dtype)
         lr = tf.cast(learning_rate, dtype)
         current = variable.value.read_value()
+        current = _relayout(current, target) if moved else current
         if optimizer.weight_decay is not None and _decays(optimizer, variable):
             current = current - current * tf.cast(optimizer.weight_decay, dtype) * lr
         new = rule(optimizer, _Slots(slots, variable.path), grad, square, lr, current)
         if variable.constraint is not None:
             new = variable.constraint(new)
-        variable.assign(new)
+        variable.assign(_relayout(new, layout) if moved else new)   # gathered back
     optimizer.iterations.assign_add(1)
+
+
+def _relayout(tensor, layout):
+    return None if tensor is None else dtensor.relayout(tensor, layout)
 
 
 def densify(grad, layout):

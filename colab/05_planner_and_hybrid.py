@@ -18,10 +18,11 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tfdist/tfdist/blob/main/colab/05_planner_and_hybrid.ipynb)
 #
 # `tfdist plan` estimates the memory each device needs (parameters, gradients, optimizer state,
-# activations) for data parallelism, DTensor tensor parallelism over a model axis of size k,
-# pipelines of s stages, and their 2-D hybrids, and recommends **the simplest plan that fits**,
-# with the exact `python -m experiments.train` flags that run it. It never imports TensorFlow, so
-# planning a billion-parameter model takes milliseconds.
+# activations) for data parallelism, sharded data parallelism (ZeRO stages 1-3), DTensor tensor
+# parallelism over a model axis of size k, pipelines of s stages, and their 2-D hybrids, and
+# recommends **the simplest plan that fits**, with the exact `python -m experiments.train` flags
+# that run it. It never imports TensorFlow, so planning a billion-parameter model takes
+# milliseconds.
 #
 # This notebook (1) asks the planner about a 1.2-billion-parameter transformer on 8 GPUs of
 # various sizes, (2) plans a small MLP for this runtime's 4 devices with a memory budget that
@@ -156,7 +157,8 @@ worst = [max(e.devices, key=lambda d: d.total) for e in considered]
 
 def label(c):  # two short lines per plan
     if c.strategy == "dtensor":
-        return f"dtensor\nbatch={c.replicas},model={c.model_ways}"
+        zero_part = f" zero {c.zero_stage}" if c.zero_stage else ""
+        return f"dtensor{zero_part}\nbatch={c.replicas},model={c.model_ways}"
     if c.strategy == "pipeline":
         return f"pipeline {c.stages} stages x{c.replicas}\nM={c.microbatches} {c.schedule}"
     return f"{c.strategy}\nx {c.devices}"
@@ -185,7 +187,9 @@ print(plan.reason)
 # An MLP (64-256-256-10 on `digits`, Adam, global batch 32) on 4 devices with 900 KiB each: a
 # full copy does not fit, megatron tensor parallelism over 2 devices does, and the other 2 ways
 # replicate it, a 2-D hybrid `batch=2,model=2`. On a CPU runtime the devices are 4 simulated CPUs
-# (`--device_type cpu` makes the planner print `--simulate_devices=4`).
+# (`--device_type cpu` makes the planner print `--simulate_devices=4`). `--zero_stage=0` leaves
+# out sharded data parallelism (ZeRO, which the planner tries before splitting the model, and
+# which fits here too) so that the plan is the hybrid.
 
 # %%
 DEVICE_TYPE = "gpu" if count_gpus() >= 4 else "cpu"
@@ -193,7 +197,7 @@ if DEVICE_TYPE == "cpu":
     ENV["CUDA_VISIBLE_DEVICES"] = ""  # fewer than 4 GPUs: the 4 devices are simulated CPUs
 SMALL = ["--model=mlp", "--hidden_sizes=256,256", "--dataset=digits", "--optimizer=adam",
          "--global_batch_size=32", "--devices=4", "--memory_per_device=900KiB",
-         f"--device_type={DEVICE_TYPE}"]
+         "--zero_stage=0", f"--device_type={DEVICE_TYPE}"]
 print(run(TFDIST + ["plan", *SMALL]))
 planned = json.loads(run(TFDIST + ["plan", *SMALL, "--json"]))
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 from tfdist import cli, config as cfg, data, models, parallel as parallel_lib
 from tfdist.parallel.pipeline import partition
-from tfdist.plan import command, inventory as inventory_lib
+from tfdist.plan import command, inventory as inventory_lib, memory, zero
 from tfdist.plan.memory import Candidate, per_device
 from tfdist.train import runner
 
@@ -80,7 +80,8 @@ def candidate_for(strategy_flags, hardware):
     return Candidate(kind, hardware.devices, replicas=hardware.devices)
 
 
-def reported_bytes(flags, strategy_flags, optimizer, mixed=None):
+def built_run(flags, strategy_flags, optimizer, mixed=None):
+    """(mode, model, optimizer) as the run of these planner flags builds them."""
     args, _, _ = parse(flags)
     fields = {"simulate_devices": 4, **strategy_flags}
     config = cfg.RunConfig(model=command.model_config(args), data=command.data_config(args),
@@ -94,6 +95,11 @@ def reported_bytes(flags, strategy_flags, optimizer, mixed=None):
         model, opt = runner.build_model_and_optimizer(config, parallel, source.info)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
+    return parallel, model, opt
+
+
+def reported_bytes(flags, strategy_flags, optimizer, mixed=None):
+    parallel, model, opt = built_run(flags, strategy_flags, optimizer, mixed)
     return parallel.param_bytes_per_device(model, opt)
 
 
@@ -129,15 +135,19 @@ def run_plan(args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
-# Memory per device chosen so each registry model gets a different kind of plan.
+# Memory per device chosen so each registry model gets a different kind of plan. The
+# tensor-parallel ones plan with --zero_stage=0: ZeRO over the data layout, which the
+# planner tries first, would fit them too; mlp-zero gets it (ZeRO stage 2).
 RECOMMENDED_RUNS = {
     "mlp": (["--model=mlp", "--hidden_sizes=256,256", "--dataset=digits",
-             "--global_batch_size=32"], "600KiB", "dtensor"),
+             "--global_batch_size=32", "--zero_stage=0"], "600KiB", "dtensor"),
+    "mlp-zero": (["--model=mlp", "--hidden_sizes=256,256", "--dataset=digits",
+                  "--global_batch_size=32"], "900KiB", "dtensor"),
     "cnn": (["--model=cnn", "--dataset=digits", "--global_batch_size=32"], "400KiB", "pipeline"),
     "resnet": (["--model=resnet", "--filters=8,16", "--dataset=digits",
                 "--global_batch_size=32"], "512KiB", "mirrored"),
     "transformer": (["--model=transformer", "--dataset=text", "--seq_len=32",
-                     "--global_batch_size=8"], "2.5MiB", "dtensor"),
+                     "--global_batch_size=8", "--zero_stage=0"], "2.5MiB", "dtensor"),
 }
 
 
@@ -156,8 +166,13 @@ def test_recommendation_runs_with_its_flags_and_reports_its_bytes(model, tmp_pat
                           f"--results_json={results}"], cwd=REPO, capture_output=True, text=True,
                          timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert run.returncode == 0, run.stderr[-3000:]
-    reported = json.loads(results.read_text())["param_bytes_per_device"]
-    assert reported == plan["recommended"]["param_bytes_per_device"]
+    reported = json.loads(results.read_text())
+    assert reported["param_bytes_per_device"] == plan["recommended"]["param_bytes_per_device"]
+    if "gradient_bytes_per_device" in reported:   # the modes that shard gradients report them
+        assert (reported["gradient_bytes_per_device"]
+                == plan["recommended"]["gradient_bytes_per_device"])
+    zero_stage = plan["recommended"]["zero_stage"]
+    assert (f"--zero_stage={zero_stage}" in plan["command"]) == (model == "mlp-zero")
 
 
 def test_recomputation_counts_each_block_by_its_input_and_one_block_at_a_time():
@@ -326,12 +341,237 @@ def test_several_workers_get_a_launcher_on_cpu_and_a_per_host_command_on_gpus(ca
     assert "--collective=shm" in json.loads(capsys.readouterr().out)["command"]
 
 
-def test_plans_the_modes_refuse_are_not_recommended(capsys):
-    """dtensor and pipeline refuse mixed_float16 (a dynamic loss scale): the planner says so."""
+def test_a_mode_that_refuses_mixed_float16_is_planned_in_mixed_bfloat16_and_says_so(capsys):
+    """dtensor and pipeline refuse mixed_float16 (a dynamic loss scale); data parallelism,
+    which runs it, does not fit, so the plan runs mixed_bfloat16 and its reason says why."""
     assert cli.main(["plan", "--devices=4", "--memory_per_device=600KiB", "--model=mlp",
                      "--hidden_sizes=256,256", "--global_batch_size=32", "--dtype=mixed_float16",
-                     "--json"]) == command.EXIT_NO_FIT
+                     "--device_type=cpu", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
-    problems = {c["strategy"]: c["problem"] for c in answer["candidates"] if c["problem"]}
+    policies = {c["strategy"]: c["mixed_precision"] for c in answer["candidates"]}
+    assert policies == {"mirrored": None, "dtensor": "mixed_bfloat16"}
+    assert answer["recommended"]["plan"].endswith(", mixed_bfloat16")
+    assert "--mixed_precision=mixed_bfloat16" in answer["command"]
+    assert not any("float16" in flag and "bfloat16" not in flag for flag in answer["command"])
+    assert ("It runs mixed_bfloat16, not the mixed_float16 asked" in answer["reason"]
+            and "no exact sharded update" in answer["reason"])
+
+
+def test_a_candidate_run_in_mixed_float16_is_still_refused():
+    """What the run refuses (parallel/dtensor, parallel/pipeline), the planner refuses too,
+    when a candidate is evaluated in the workload's own mixed_float16."""
+    from tfdist.plan.recommend import evaluate
+    _, work, hardware = parse(MODEL_FLAGS["mlp-wide"], extra=["--dtype=mixed_float16"])
+    problems = {c.strategy: evaluate(c, work, hardware).problem for c in (
+        Candidate("dtensor", 4, replicas=2, model_ways=2, layout="megatron"),
+        Candidate("pipeline", 4, replicas=2, stages=2))}
     assert problems == {"dtensor": "dtensor does not support mixed_float16 (use mixed_bfloat16)",
                         "pipeline": "pipeline does not support mixed_float16"}
+
+
+# --------------------------------------------------------------------------- ZeRO (--zero_stage)
+
+PAPER_FIGURE_1_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}   # Rajbhandari et al. 2020, Figure 1
+TFDIST_GB = {0: 120, 1: 60.9375, 2: 31.40625, 3: 1.875}  # float32 weights and gradients, K=8
+
+
+def test_the_paper_formula_reproduces_figure_1():
+    """7.5e9 parameters, 64 devices, mixed-precision Adam (2 + 2 + K=12 bytes a parameter)."""
+    for stage, gigabytes in PAPER_FIGURE_1_GB.items():
+        computed = zero.model_state_bytes(7.5e9, 64, stage, **zero.PAPER_BYTES) / 1e9
+        assert computed == pytest.approx(gigabytes, rel=0.02), (stage, computed)
+
+
+def test_the_planner_counts_what_keras_allocates_for_the_same_model():
+    """Keras keeps float32 variables under a mixed policy: 4 + 4 + 8 bytes a parameter, no
+    master copy. The planner's state + gradients on batch=64 are that formula's bytes plus
+    Adam's two replicated scalars, byte for byte (the stand-in's variables divide by 64)."""
+    _, work, _ = command.parse(["--params=7.5e9", "--devices=64", "--memory_per_device=80GB",
+                                "--dtype=mixed_bfloat16"])
+    for stage, gigabytes in TFDIST_GB.items():
+        candidate = Candidate("dtensor", 64, replicas=64, zero_stage=stage)
+        device = per_device(candidate, work)[0]
+        formula = zero.model_state_bytes(7.5e9, 64, stage, **zero.TFDIST_ADAM_BYTES)
+        assert device.state + device.gradients == formula + memory.OPTIMIZER_SCALARS
+        assert formula == gigabytes * 1e9
+
+
+def test_the_zero_layout_is_the_runs_rule():
+    """The planner cuts with tfdist/parallel/dtensor/zero.py's zero_spec: batch on the first
+    dimension the spec leaves unsharded and the batch axis divides."""
+    from tfdist.parallel.dtensor.zero import zero_spec
+    u, m, b = "unsharded", "model", "batch"
+    assert zero_spec((u, m), (64, 100), 4) == (b, m)
+    assert zero_spec((m, u), (100, 50), 2) == (m, b)
+    assert zero_spec((u, u), (50, 12), 4) == (u, b)      # 50 does not divide by 4
+    assert zero_spec((u,), (10,), 4) == (u,)              # nothing divides: replicated
+    assert zero_spec((m,), (100,), 2) == (m,)             # no unsharded dimension
+    assert zero_spec((b, u), (8, 8), 2) == (b, u)         # a spec already on batch
+
+
+def test_each_stage_cuts_its_parts_of_every_variable_in_the_zero_layout():
+    """mlp 64-100-50-10 (digits) on batch=2,model=2, megatron: each variable's pieces by
+    hand: tensor-parallel (megatron spec) and zero layout (batch on the first unsharded
+    dimension it divides); the stage says which parts take which."""
+    _, work, _ = parse(MODEL_FLAGS["mlp-digits"])
+    tensor_parallel = {"dense_0/kernel": 2, "dense_0/bias": 2, "dense_1/kernel": 2,
+                       "dense_1/bias": 1, "logits/kernel": 1, "logits/bias": 1}
+    zero_layout = {"dense_0/kernel": 4,   # [unsharded, model] (64, 100): batch on 64
+                   "dense_0/bias": 2,     # [model]: no unsharded dimension left
+                   "dense_1/kernel": 4,   # [model, unsharded] (100, 50): batch on 50
+                   "dense_1/bias": 2, "logits/kernel": 2, "logits/bias": 2}
+    for stage in zero.STAGES:
+        candidate = Candidate("dtensor", 4, replicas=2, model_ways=2, layout="megatron",
+                              zero_stage=stage)
+        pieces = memory.shard_counts(work.inventory, candidate)
+        for part in ("params", "optimizer", "gradients"):
+            chosen = zero_layout if zero.shards(stage, part) else tensor_parallel
+            assert {path: getattr(p, part) for path, p in pieces.items()} == chosen, (stage, part)
+
+
+def test_stage_bytes_shrink_part_by_part():
+    """mlp 64-100-50-10 on batch=4 (data layout), Adam: 12,060 parameters, 3,435 per device
+    in the zero layout (the kernels and dense_0/bias cut in 4; dense_1/bias (50), the logits
+    (50x10, 10) replicated: 4 divides none of their dimensions)."""
+    _, work, _ = parse(MODEL_FLAGS["mlp-digits"])
+    full, shard = 12060 * 4, 3435 * 4
+    expected = {0: (full, 2 * full, full), 1: (full, 2 * shard, full),
+                2: (full, 2 * shard, shard), 3: (shard, 2 * shard, shard)}
+    for stage, (params, optimizer, gradients) in expected.items():
+        device = per_device(Candidate("dtensor", 4, replicas=4, zero_stage=stage), work)[0]
+        assert (device.params, device.optimizer, device.gradients) == \
+               (params, optimizer + memory.OPTIMIZER_SCALARS, gradients), stage
+
+
+def test_zero_is_tried_after_a_full_copy_and_before_the_model_is_split(capsys):
+    assert cli.main(["plan", "--devices=4", "--memory_per_device=900KiB", "--model=mlp",
+                     "--hidden_sizes=256,256", "--global_batch_size=32", "--device_type=cpu",
+                     "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert [c["plan"] for c in answer["candidates"]] == [
+        "mirrored x 4", "dtensor mesh batch=4,model=1 (data), zero stage 1",
+        "dtensor mesh batch=4,model=1 (data), zero stage 2"]
+    assert answer["command"][-3:] == ["--mesh=batch=4,model=1", "--layout=data", "--zero_stage=2"]
+    assert "ZeRO stage 2 shards the optimizer state and the gradients" in answer["reason"]
+    recommended = answer["recommended"]
+    assert recommended["gradient_bytes_per_device"] == {
+        d["device"]: d["gradients"] for d in recommended["per_device"]}
+
+
+def test_a_mesh_whose_stage_3_does_not_fit_lists_only_stage_3(capsys):
+    """Each stage needs no more than the one before: when stage 3 misses, so do 1 and 2."""
+    assert cli.main(["plan", "--devices=4", "--memory_per_device=1.2MiB", "--model=transformer",
+                     "--dataset=text", "--seq_len=32", "--global_batch_size=8",
+                     "--device_type=cpu", "--json"]) == command.EXIT_NO_FIT
+    plans = [c["plan"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+    assert plans[:4] == ["mirrored x 4", "dtensor mesh batch=4,model=1 (data), zero stage 3",
+                         "dtensor mesh batch=2,model=2 (megatron)",
+                         "dtensor mesh batch=2,model=2 (megatron), zero stage 3"], plans
+
+
+def test_zero_stage_0_plans_as_before_and_a_given_stage_alone(capsys):
+    flags = ["plan", "--devices=4", "--memory_per_device=600KiB", "--model=mlp",
+             "--hidden_sizes=256,256", "--global_batch_size=32", "--device_type=cpu", "--json"]
+    assert cli.main(flags + ["--zero_stage=0"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert all(c["zero_stage"] == 0 for c in plain["candidates"])
+    assert "--zero_stage" not in " ".join(plain["command"])
+    assert cli.main(flags + ["--zero_stage=1", "--memory_per_device=650KiB"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    # stage 1 alone, on the meshes with a batch axis to shard over (batch=4, then batch=2)
+    assert [c["plan"] for c in given["candidates"]] == [
+        "dtensor mesh batch=4,model=1 (data), zero stage 1",
+        "dtensor mesh batch=2,model=2 (megatron), zero stage 1"]
+    assert given["command"][-3:] == ["--mesh=batch=2,model=2", "--layout=megatron",
+                                     "--zero_stage=1"]
+    assert given["reason"].startswith("Planned at --zero_stage 1, as asked; megatron tensor "
+                                      "parallelism over 2 devices")
+
+
+ISSUE = ["plan", "--params", "7.5e9", "--devices", "64", "--workers", "8", "--memory_per_device",
+         "80GB", "--optimizer", "adam", "--dtype", "mixed_float16", "--device_type", "gpu"]
+
+
+def test_the_issues_7_5b_model_on_64_gpus_gets_a_zero_plan_with_flags(capsys):
+    """The issue's command found no plan: a full copy needs 120 GB and every mode that
+    splits the state refused mixed_float16. ZeRO stage 1 on batch=64 in mixed_bfloat16 fits
+    (60.94 GB of 72 GB usable), and its flags make a valid RunConfig with the user's model."""
+    assert cli.main([*ISSUE, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    recommended = answer["recommended"]
+    assert (recommended["strategy"], recommended["replicas"], recommended["model_ways"],
+            recommended["layout"], recommended["zero_stage"], recommended["mixed_precision"]) \
+        == ("dtensor", 64, 1, "data", 1, "mixed_bfloat16")
+    assert recommended["peak_bytes"] == 60_937_500_012 <= answer["usable_per_device"]
+    assert answer["command"] is None   # a --params model: the flags, without a model
+    assert answer["flags"] == [
+        "--strategy=dtensor", "--optimizer=adam", "--global_batch_size=64",
+        "--mixed_precision=mixed_bfloat16", "--num_gpus=8", "--mesh=batch=64,model=1",
+        "--layout=data", "--zero_stage=1"]
+    assert "It runs mixed_bfloat16, not the mixed_float16 asked" in answer["reason"]
+    config = run_config_from([*answer["flags"], *USER_MODEL])
+    assert (config["strategy"], config["zero_stage"], config["mixed_precision"],
+            config["num_gpus"] * 8) == ("dtensor", 1, "mixed_bfloat16", 64)
+    assert config["mesh_axes"] == [["batch", 64], ["model", 1]]
+
+
+def test_the_issues_table_says_how_to_run_it_with_your_model(capsys):
+    assert cli.main(ISSUE) == 0
+    out = capsys.readouterr().out
+    assert ("Run it with your model (add --model=MODULE:FUNCTION --dataset=MODULE:FUNCTION; "
+            "the estimate assumed its variables split evenly) on each of the 8 worker hosts, "
+            "with its DTENSOR_* variables:") in out
+    assert out.rstrip().endswith("--layout=data --zero_stage=1")
+
+
+USER_MODEL = ["--model=my_model:build", "--dataset=my_data:build"]
+
+
+def run_config_from(flags):
+    """experiments/train.py's own flag parsing and RunConfig validation, in a process of its
+    own (absl's FLAGS are global); no TensorFlow, no devices."""
+    code = ("import json, sys; from experiments import train; "
+            "from tfdist.parallel.dtensor import mesh; "
+            "train.FLAGS(['train', *sys.argv[1:]]); c = train.config_from_flags(); "
+            "print(json.dumps(dict(strategy=c.strategy, zero_stage=c.zero_stage, "
+            "mixed_precision=c.mixed_precision, num_gpus=c.num_gpus, "
+            "mesh_axes=mesh.parse_mesh(c.mesh, 64))))")
+    done = subprocess.run([sys.executable, "-c", code, *flags], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--zero_stage=4"], "Unknown --zero_stage 4. Valid choices: 0, 1, 2, 3"),
+    (["--zero_stage=-1"], "Unknown --zero_stage -1. Valid choices: 0, 1, 2, 3"),
+    (["--zero_stage=two"], "--zero_stage: invalid int value: 'two'"),
+    (["--zero_stage=1", "--devices=1"],
+     "--devices 1 has no second one. Valid choices with --devices 1: --zero_stage 0"),
+    (["--zero_stage=2", "--model=cnn"],
+     "--zero_stage 2 is run by --strategy=dtensor only, which tfdist plan plans for models "
+     "mlp, transformer and --params only, not 'cnn'. Valid choices for model 'cnn': "
+     "--zero_stage 0"),
+])
+def test_a_zero_stage_that_cannot_be_planned_is_a_usage_error(args, needle, capsys):
+    assert cli.main(["plan", "--devices=4", "--memory_per_device=1GiB", *args]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert needle in err and "Traceback" not in err
+
+
+def test_a_zero_stage_on_a_mode_that_cannot_run_it_is_refused():
+    from tfdist.errors import UsageError
+    with pytest.raises(UsageError, match="zero_stage=1 is run by strategy 'dtensor' only.*"
+                                         "got strategy 'mirrored'. Valid choices for "
+                                         "'mirrored': zero_stage 0"):
+        Candidate("mirrored", 4, replicas=4, zero_stage=1)
+    with pytest.raises(UsageError, match="Unknown --zero_stage 5. Valid choices: 0, 1, 2, 3"):
+        Candidate("dtensor", 4, replicas=4, zero_stage=5)
+    from tfdist.plan.recommend import evaluate
+    _, work, hardware = parse(MODEL_FLAGS["mlp-wide"])
+    one_replica = Candidate("dtensor", 4, replicas=1, model_ways=4, layout="megatron",
+                            zero_stage=2)
+    assert evaluate(one_replica, work, hardware).problem == \
+        "zero stage 2 shards over the batch axis, which has 1 device here"
+    with pytest.raises(UsageError, match="Unknown --zero_stage 4"):
+        zero.model_state_bytes(7.5e9, 64, 4, **zero.PAPER_BYTES)

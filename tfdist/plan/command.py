@@ -3,8 +3,12 @@
     tfdist plan --model transformer --d_model 1024 --num_layers 24 --dataset text \\
         --optimizer adam --global_batch_size 64 --devices 8 --memory_per_device 16GiB
     tfdist plan --params 7e9 --devices 8 --memory_per_device 80GiB --json
+    tfdist plan --params 7.5e9 --devices 64 --memory_per_device 80GB --zero_stage 3
 
 Model and dataset flags are experiments/train.py's, with the same defaults.
+A --params model has no model flags to print: its plans that do not depend on the
+model's layers (data parallel, ZeRO over the data layout) print the other flags, to
+run with the user's --model=MODULE:FUNCTION and --dataset=MODULE:FUNCTION.
 Exit status: 0 with a plan, 1 when nothing fits (the answer says by how much),
 2 for impossible input. Never imports TensorFlow.
 """
@@ -17,10 +21,10 @@ from typing import Dict, List, Optional
 
 from tfdist import config as cfg
 from tfdist.errors import require
-from tfdist.plan import collectives, inventory as inventory_lib
+from tfdist.plan import collectives, inventory as inventory_lib, zero
 from tfdist.plan.memory import Workload
-from tfdist.plan.recommend import (Evaluated, Hardware, Plan, device_names, gib, recommend,
-                                   smallest_need, summarize)
+from tfdist.plan.recommend import (AUTO_ZERO, Evaluated, Hardware, Plan, check_zero_stage,
+                                   device_names, gib, recommend, smallest_need, summarize)
 
 EXIT_NO_FIT = 1
 DTYPES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -72,6 +76,10 @@ def build_parser():
     p.add_argument("--global_batch_size", type=int, default=64)
     p.add_argument("--remat", choices=("full",), default=None,
                    help="activation recomputation the plan counts on (the run's --remat)")
+    p.add_argument("--zero_stage", type=int, default=AUTO_ZERO,
+                   help=f"plan this ZeRO stage ({', '.join(map(str, zero.STAGES))}) on the "
+                        f"dtensor meshes; 0: no sharded data parallelism; default: stages "
+                        f"1-3 where plain plans do not fit")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -94,8 +102,9 @@ def parse(argv: List[str]):
                         args.device_type, args.reserve)
     inventory, known = _inventory(args)
     mixed = None if args.dtype == "float32" else args.dtype
-    return args, Workload(inventory, args.optimizer, args.global_batch_size, mixed, known,
-                          args.remat), hardware
+    work = Workload(inventory, args.optimizer, args.global_batch_size, mixed, known, args.remat)
+    check_zero_stage(args.zero_stage, work, hardware)
+    return args, work, hardware
 
 
 def _inventory(args):
@@ -127,16 +136,39 @@ DATASET_FLAGS = {"digits": (), "text": ("seq_len",),
                  "synthetic": ("synthetic_shape", "synthetic_classes")}
 
 
+USER_MODEL_FLAGS = ("--model=MODULE:FUNCTION", "--dataset=MODULE:FUNCTION")
+
+
+def has_flags(evaluated: Evaluated, args) -> bool:
+    """Whether the plan has flags to print. A registry model's always have; a --params
+    model's only where the plan does not depend on its layers (no layout or stage cut to
+    fit): data parallelism, and DTensor's data layout (with or without a ZeRO stage)."""
+    c = evaluated.candidate
+    if args.params is None:
+        return True
+    return c.strategy in ("default", "mirrored", "multi_worker_mirrored") or (
+        c.strategy == "dtensor" and c.layout == "data")
+
+
+def model_flags(args) -> List[str]:
+    """The model and dataset flags as given; none for a --params model (the user adds
+    USER_MODEL_FLAGS)."""
+    if args.params is not None:
+        return []
+    flags = [f"--model={args.model}"]
+    flags += [f"--{name}={getattr(args, name)}" for name in MODEL_FLAGS[args.model]]
+    flags += [f"--dataset={args.dataset}"]
+    return flags + [f"--{name}={getattr(args, name)}" for name in DATASET_FLAGS[args.dataset]]
+
+
 def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
     """experiments/train.py flags that run the chosen candidate (model and data as given)."""
     c = evaluated.candidate
-    flags = [f"--strategy={c.strategy}", f"--model={args.model}"]
-    flags += [f"--{name}={getattr(args, name)}" for name in MODEL_FLAGS[args.model]]
-    flags += [f"--dataset={args.dataset}"]
-    flags += [f"--{name}={getattr(args, name)}" for name in DATASET_FLAGS[args.dataset]]
+    flags = [f"--strategy={c.strategy}", *model_flags(args)]
     flags += [f"--optimizer={args.optimizer}", f"--global_batch_size={args.global_batch_size}"]
-    if args.dtype != "float32":
-        flags.append(f"--mixed_precision={args.dtype}")
+    policy = c.mixed_precision or (None if args.dtype == "float32" else args.dtype)
+    if policy:
+        flags.append(f"--mixed_precision={policy}")
     if args.remat:
         flags.append(f"--remat={args.remat}")
     per_worker = hardware.devices // hardware.workers
@@ -148,6 +180,8 @@ def train_flags(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
         flags.append(f"--collective={collective}")
     if c.strategy == "dtensor":
         flags += [f"--mesh=batch={c.replicas},model={c.model_ways}", f"--layout={c.layout}"]
+    if c.zero_stage:
+        flags.append(f"--zero_stage={c.zero_stage}")
     if c.strategy == "pipeline":
         flags += [f"--pipeline_stages={c.stages}", f"--microbatches={c.microbatches}",
                   f"--pipeline_schedule={c.schedule}"]
@@ -186,8 +220,11 @@ def command(evaluated: Evaluated, args, hardware: Hardware) -> List[str]:
 # --------------------------------------------------------------------------- output
 
 def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
+    """`command` runs as it is (a registry model); `flags` are the plan's experiments.train
+    flags, for a --params model without USER_MODEL_FLAGS (None: no flags to print)."""
     chosen = plan.chosen
     runnable = chosen is not None and work.inventory.model != inventory_lib.PARAMS_ONLY
+    flags = chosen is not None and has_flags(chosen, args)
     return {
         "model": work.inventory.model, "num_params": work.inventory.num_params,
         "devices": hw.devices, "workers": hw.workers,
@@ -196,6 +233,7 @@ def to_json(plan: Plan, args, work: Workload, hw: Hardware) -> Dict:
         "shortfall_bytes": None if chosen else _shortfall(plan, hw),
         "recommended": _candidate_json(chosen, hw) if chosen else None,
         "command": command(chosen, args, hw) if runnable else None,
+        "flags": train_flags(chosen, args, hw) if flags else None,
         "collective": _collective_json(chosen, args, hw) if chosen else None,
         "run_on": ("every worker host" if hw.workers > 1 and hw.device_type == "gpu"
                    else "this host"),
@@ -218,6 +256,7 @@ def _candidate_json(e: Evaluated, hw: Hardware) -> Dict:
     out = {"plan": e.candidate.describe(), **dataclasses.asdict(e.candidate), "problem": e.problem,
            "fits": e.fits(hw), "peak_bytes": e.peak}
     out["param_bytes_per_device"] = {names[d.device]: d.state for d in e.devices}
+    out["gradient_bytes_per_device"] = {names[d.device]: d.gradients for d in e.devices}
     out["per_device"] = [{"device": names[d.device], "params": d.params,
                           "optimizer": d.optimizer, "gradients": d.gradients,
                           "activations": d.activations, "total": d.total} for d in e.devices]
@@ -236,23 +275,28 @@ def table(plan: Plan, args, work: Workload, hw: Hardware) -> str:
     if not work.activations_known:
         lines.append("(activations not estimated for a --params model)")
     lines += ["", plan.reason]
-    if plan.chosen and work.inventory.model != inventory_lib.PARAMS_ONLY:
-        choice = collective_for(plan.chosen, args, hw)
+    chosen = plan.chosen
+    if chosen and has_flags(chosen, args):
+        choice = collective_for(chosen, args, hw)
         if choice.collective:
             lines += ["", choice.reason]
-        lines += ["", run_it_heading(plan.chosen, hw), "  " + shlex.join(command(plan.chosen, args, hw))]
-    elif plan.chosen:
-        lines += ["", f"Recommended: {plan.chosen.candidate.describe()} (a --params model has "
-                      f"no flags to run; plan a registry model for those)."]
+        lines += ["", run_it_heading(chosen, hw, your_model=args.params is not None),
+                  "  " + shlex.join(command(chosen, args, hw))]
+    elif chosen:
+        lines += ["", f"Recommended: {chosen.candidate.describe()} (a --params model has "
+                      f"no flags to run for this plan, which depends on the model's layers; "
+                      f"plan a registry model for those)."]
     return "\n".join(lines)
 
 
-def run_it_heading(chosen: Evaluated, hw: Hardware) -> str:
+def run_it_heading(chosen: Evaluated, hw: Hardware, your_model: bool = False) -> str:
+    model = (f" with your model (add {' '.join(USER_MODEL_FLAGS)}; the estimate assumed "
+             f"its variables split evenly)" if your_model else "")
     if hw.workers == 1 or hw.device_type == "cpu":
-        return "Run it:"
+        return f"Run it{model}:"
     env = ("TF_CONFIG (`tfdist tf-config --hosts ... --index I`)"
            if chosen.candidate.strategy != "dtensor" else "DTENSOR_* variables")
-    return f"Run it on each of the {hw.workers} worker hosts, with its {env}:"
+    return f"Run it{model} on each of the {hw.workers} worker hosts, with its {env}:"
 
 
 def _row(e: Evaluated, hw: Hardware):
@@ -266,7 +310,7 @@ def _row(e: Evaluated, hw: Hardware):
 
 def main(argv: List[str]) -> int:
     args, work, hardware = parse(argv)
-    plan = recommend(work, hardware)
+    plan = recommend(work, hardware, args.zero_stage)
     if args.json:
         print(json.dumps(to_json(plan, args, work, hardware), indent=2))
     else:

@@ -10,8 +10,12 @@ State is parameters plus optimizer state, counted the way the modes store it
   `learning_rate`, `step_counter` and `dynamic_scale` of its own;
 - data parallel keeps a full copy per device; DTensor cuts each variable and
   its slots into the shards its layout names; a pipeline stage's device holds
-  its layers, their slots and its own optimizer's scalars.
-Gradients take the trainable weights' bytes (float32), sharded like them.
+  its layers, their slots and its own optimizer's scalars;
+- a DTensor ZeRO stage cuts the slots (1), the gradients too (2) and the parameters
+  too (3) in their zero layout, over the mesh's batch axis (zero.py); the scalars
+  stay replicated.
+Gradients take the trainable weights' bytes (float32), sharded like the weights, or in
+the zero layout from stage 2: what the update reads (the run's gradient_bytes_per_device).
 Activations are the inventory's per-example estimate times the examples a device
 holds at the peak (GPipe: all M micro-batches in flight; 1F1B: min(M, S - k)). Under
 --remat=full a recomputed block holds only its input, plus one block's own activations
@@ -23,6 +27,9 @@ import dataclasses
 import logging
 from typing import Dict, List, Optional, Sequence
 
+from tfdist.errors import require
+from tfdist.parallel.dtensor.mesh import BATCH, MODEL
+from tfdist.plan import zero
 from tfdist.plan.inventory import PARAMS_ONLY, Inventory, Layer
 
 FLOAT32 = 4
@@ -43,14 +50,29 @@ class Candidate:
     stages: int = 1               # pipeline stages
     microbatches: int = 1
     schedule: str = "gpipe"
+    zero_stage: int = 0           # dtensor: ZeRO stage over the batch axis (zero.py)
+    # The policy this candidate runs when it is not the workload's: a mode that refuses
+    # mixed_float16 is planned with mixed_bfloat16 (recommend.run_precision says why).
+    mixed_precision: Optional[str] = None
+
+    def __post_init__(self):
+        zero.validate_stage(self.zero_stage)
+        require(self.zero_stage == 0 or self.strategy == "dtensor",
+                f"zero_stage={self.zero_stage} is run by strategy 'dtensor' only (it shards "
+                f"over the mesh's batch axis); got strategy {self.strategy!r}. Valid choices "
+                f"for {self.strategy!r}: zero_stage 0.")
 
     def describe(self) -> str:
         if self.strategy == "dtensor":
-            return f"dtensor mesh batch={self.replicas},model={self.model_ways} ({self.layout})"
+            zero_part = f", zero stage {self.zero_stage}" if self.zero_stage else ""
+            policy = f", {self.mixed_precision}" if self.mixed_precision else ""
+            return (f"dtensor mesh batch={self.replicas},model={self.model_ways} "
+                    f"({self.layout}){zero_part}{policy}")
         if self.strategy == "pipeline":
             hybrid = f" x {self.replicas} replicas" if self.replicas > 1 else ""
+            policy = f", {self.mixed_precision}" if self.mixed_precision else ""
             return (f"pipeline {self.stages} stages{hybrid}, M={self.microbatches} "
-                    f"{self.schedule}")
+                    f"{self.schedule}{policy}")
         return f"{self.strategy} x {self.devices}"
 
 
@@ -91,31 +113,46 @@ class Workload:
         return LOSS_SCALE_SCALARS if self.mixed_precision == "mixed_float16" else OPTIMIZER_SCALARS
 
 
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """How many pieces each part of one variable is cut into (each device holds one)."""
+    params: int = 1
+    optimizer: int = 1      # each slot, cut like this
+    gradients: int = 1
+
+
+WHOLE = Pieces()
+
+
 def per_device(candidate: Candidate, work: Workload) -> List[DeviceBytes]:
     """DeviceBytes for device 0..devices-1 (in the order the mode lists its devices)."""
+    if candidate.mixed_precision is not None:
+        work = dataclasses.replace(work, mixed_precision=candidate.mixed_precision)
     if candidate.strategy == "pipeline":
         return _pipeline(candidate, work)
-    if candidate.strategy == "dtensor" and candidate.model_ways > 1:
-        shards = shard_counts(work.inventory, candidate)
+    if candidate.strategy == "dtensor":
+        pieces = shard_counts(work.inventory, candidate)
     else:
-        shards = {w.path: 1 for w in work.inventory.weights}
+        pieces = {w.path: WHOLE for w in work.inventory.weights}
     layers = work.inventory.layers
     examples = work.global_batch_size / candidate.replicas
-    one = _device_bytes(0, layers, shards, work, examples, candidate.model_ways)
+    one = _device_bytes(0, layers, pieces, work, examples, candidate.model_ways)
     return [dataclasses.replace(one, device=i) for i in range(candidate.devices)]
 
 
-def _device_bytes(device: int, layers: Sequence[Layer], shards: Dict[str, int], work: Workload,
-                  examples: float, model_ways: int) -> DeviceBytes:
-    params = trainable = 0
+def _device_bytes(device: int, layers: Sequence[Layer], pieces: Dict[str, Pieces],
+                  work: Workload, examples: float, model_ways: int) -> DeviceBytes:
+    params = slot = gradients = 0
     for layer in layers:
         for weight in layer.weights:
-            size = weight.size // shards[weight.path]
-            params += size
-            trainable += size if weight.trainable else 0
+            cut = pieces[weight.path]
+            params += weight.size // cut.params
+            if weight.trainable:
+                slot += weight.size // cut.optimizer
+                gradients += weight.size // cut.gradients
     return DeviceBytes(device=device, params=params * FLOAT32,
-                       optimizer=trainable * work.slots * FLOAT32 + work.scalars,
-                       gradients=trainable * FLOAT32,
+                       optimizer=slot * work.slots * FLOAT32 + work.scalars,
+                       gradients=gradients * FLOAT32,
                        activations=_activation_bytes(layers, work, examples, model_ways))
 
 
@@ -139,21 +176,37 @@ def _activation_bytes(layers, work: Workload, examples: float, model_ways: int) 
     return int(round((per_example + recomputing) * examples))
 
 
-def shard_counts(inventory: Inventory, candidate: Candidate) -> Dict[str, int]:
-    """{variable path: pieces it is cut into} under the candidate's DTensor layout.
+def shard_counts(inventory: Inventory, candidate: Candidate) -> Dict[str, Pieces]:
+    """{variable path: Pieces} under the candidate's DTensor layout and ZeRO stage.
 
     Uses the mode's own LayoutMap resolution, so a layout that does not fit the
     model raises the same UsageError the run would.
     """
+    axes = {BATCH: candidate.replicas, MODEL: candidate.model_ways}
+    if inventory.model == PARAMS_ONLY:
+        # No shapes to lay out: assume every variable splits evenly over the model axis,
+        # and over the batch axis too in its zero layout.
+        return {w.path: _pieces(candidate, candidate.model_ways,
+                                candidate.model_ways * candidate.replicas)
+                for w in inventory.weights}
     from tfdist.parallel.dtensor import presets
+    from tfdist.parallel.dtensor import zero as run_zero   # the run's own zero layout rule
     from tfdist.parallel.dtensor.layout_map import shards_per_variable
-    if inventory.model == PARAMS_ONLY:  # no layout to resolve: assume an even split
-        return {w.path: candidate.model_ways for w in inventory.weights}
-    axes = {"batch": candidate.replicas, "model": candidate.model_ways}
     layout_map = presets.layout_map_for(candidate.layout, inventory.model)
+    shapes = {w.path: w.shape for w in inventory.weights}
     with _quiet_layout_warnings():
-        specs = layout_map.resolve([(w.path, w.shape) for w in inventory.weights], axes)
-    return {path: shards_per_variable(spec, axes) for path, spec in specs.items()}
+        specs = layout_map.resolve(shapes.items(), axes)
+    return {path: _pieces(candidate, shards_per_variable(spec, axes),
+                          shards_per_variable(run_zero.zero_spec(spec, shapes[path],
+                                                                 candidate.replicas), axes))
+            for path, spec in specs.items()}
+
+
+def _pieces(candidate: Candidate, tensor_parallel: int, zero_layout: int) -> Pieces:
+    """Each part cut as its layout at the candidate's stage says (zero.SHARDED_PARTS)."""
+    stage = candidate.zero_stage
+    return Pieces(**{part: zero_layout if zero.shards(stage, part) else tensor_parallel
+                     for part in ("params", "optimizer", "gradients")})
 
 
 @contextlib.contextmanager
@@ -180,7 +233,7 @@ def pipeline_stages(inventory: Inventory, num_stages: int) -> List[List[Layer]]:
 
 def _pipeline(candidate: Candidate, work: Workload) -> List[DeviceBytes]:
     stages = pipeline_stages(work.inventory, candidate.stages)
-    shards = {w.path: 1 for w in work.inventory.weights}
+    pieces = {w.path: WHOLE for w in work.inventory.weights}
     microbatch = work.global_batch_size / candidate.replicas / candidate.microbatches
     out = []
     for replica in range(candidate.replicas):
@@ -188,6 +241,6 @@ def _pipeline(candidate: Candidate, work: Workload) -> List[DeviceBytes]:
             in_flight = candidate.microbatches
             if candidate.schedule == "1f1b":
                 in_flight = min(candidate.microbatches, candidate.stages - k)
-            out.append(_device_bytes(replica * candidate.stages + k, layers, shards, work,
+            out.append(_device_bytes(replica * candidate.stages + k, layers, pieces, work,
                                      microbatch * in_flight, 1))
     return out

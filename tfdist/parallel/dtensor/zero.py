@@ -4,7 +4,7 @@ Every data-parallel device of a batch-sharded mesh holds the same parameters, gr
 optimizer state; ZeRO keeps 1/N of them on each of the N devices of the `batch` axis:
   stage 1  the optimizer's slots (Adam's m and v, momentum) are sharded over `batch`;
   stage 2  the gradients the update reads are too (DTensor reduce-scatters them);
-  stage 3  the parameters are too (DTensor gathers each where an op needs it whole).
+  stage 3  the parameters are too (each is gathered where a layer reads it).
 
 Mechanism: a variable's "zero layout" is its own layout (tensor-parallel or replicated)
 with `batch` added on one more dimension. The optimizer update (update.py) is elementwise,
@@ -45,7 +45,8 @@ STAGE_NAMES = {1: "optimizer state", 2: "optimizer state and gradients"}
 @dataclasses.dataclass
 class ZeroPlan:
     """{path: spec} of what each stage keeps where; `left` are the unshardable variables,
-    `frozen` the variables the optimizer does not train, which stage 3 keeps whole."""
+    `frozen` the variables the optimizer does not train (no slots, no gradients), which
+    stage 3 keeps whole too."""
     stage: int
     param_specs: Dict[str, Tuple[str, ...]]    # the variables' own layouts (stage 3: zero)
     update_specs: Dict[str, Tuple[str, ...]]   # where slots live and the update computes
@@ -98,11 +99,11 @@ def plan(stage: int, specs: Mapping[str, Sequence[str]], shapes: Mapping[str, Se
     own = {path: tuple(spec) for path, spec in specs.items()}
     if stage == 0:
         return ZeroPlan(0, own, own, [])
+    frozen = [path for path in own if trainable is not None and path not in trainable]
     sharded = {path: zero_spec(spec, shapes[path], batch_size) for path, spec in own.items()}
     left = [path for path in own if BATCH not in sharded[path]]
     if stage < 3:
-        return ZeroPlan(stage, own, sharded, left)
-    frozen = [path for path in own if trainable is not None and path not in trainable]
+        return ZeroPlan(stage, own, sharded, left, frozen)
     params = {path: own[path] if path in frozen else sharded[path] for path in own}
     return ZeroPlan(stage, params, sharded, left, frozen)
 
@@ -114,13 +115,12 @@ def announce(zero: ZeroPlan, shapes: Mapping[str, Sequence[int]], batch_size: in
     values = {path: math.prod(shape) for path, shape in shapes.items()}
     total = sum(values.values()) or 1
     left_values = sum(values[path] for path in zero.left)
-    sharded = len(shapes) - len(zero.left) - len(zero.frozen)
-    parameters = f", and the parameters of {sharded}" if zero.stage == 3 else ""
-    frozen = (f" ({len(zero.frozen)} non-trainable variables stay whole)"
-              if zero.stage == 3 and zero.frozen else "")
-    log.info("dtensor: zero stage %d over batch=%d shards the %s of %d of %d variables%s%s",
-             zero.stage, batch_size, STAGE_NAMES[min(zero.stage, 2)], sharded, len(shapes),
-             parameters, frozen)
+    trainable = len(shapes) - len(zero.frozen)
+    sharded = len(set(shapes) - set(zero.left) - set(zero.frozen))
+    parameters = ", and their parameters" if zero.stage == 3 else ""
+    log.info("dtensor: zero stage %d over batch=%d shards the %s of %d of %d trainable "
+             "variables%s", zero.stage, batch_size, STAGE_NAMES[min(zero.stage, 2)], sharded,
+             trainable, parameters)
     if zero.left:
         log.info("dtensor: zero stage %d leaves %d variables replicated over batch (no "
                  "dimension left whole that %d divides; %.2f%% of the values): %s", zero.stage,

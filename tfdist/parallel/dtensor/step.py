@@ -78,8 +78,9 @@ def make_train_step(model, optimizer, slots, global_batch_size: int, on_outputs=
     gathered (y, y_pred, w). With accumulation_steps=K the batch is computed in K
     micro-batches, each holding 1/K of every device's shard (micro_batches).
     update_layouts ({path: layout}) are where the update runs (zero.py); with
-    gradients_sharded each micro-batch's gradients are reduce-scattered to them as soon
-    as they exist, so the accumulated sum is held in slices too (ZeRO stage 2 and 3)."""
+    gradients_sharded (ZeRO stage 2 and 3) each micro-batch's gradients are sliced to them
+    as soon as they exist, so an accumulated sum is held in slices too (stage 2; stage 3
+    refuses accumulation, zero.check_accumulation)."""
     with_outputs = on_outputs is not None
     del global_batch_size
     variables = model.trainable_variables
